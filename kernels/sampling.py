@@ -1,0 +1,111 @@
+"""Fused temperature / top-k / top-p sampling: the PyTorch reference.
+
+Semantics, per row of ``logits [B, V]``:
+
+1. NaN logits count as -inf, and +inf (like any value above it) as
+   LOGIT_CAP, so no non-finite value can produce an out-of-range id or a NaN
+   probability. A row with no finite logit at all yields token 0.
+2. Greedy rows (temperature < GREEDY_TEMPERATURE, or top_k == 1) take the
+   argmax; on ties, the lowest id.
+3. Otherwise z = logits / temperature. top-k (1 < top_k < V) keeps every
+   token whose z is >= the k-th largest z (ties at the k-th value are kept).
+   top-p (top_p < 1) then keeps the smallest set of most probable tokens
+   whose softmax probability sums to >= top_p (tokens tied with the last
+   one kept are kept too); at least one token always survives.
+4. One token is drawn from softmax(z) renormalised over the kept set, with
+   randomness keyed only by (seed, step): the same inputs give the same ids.
+
+Also returned: the chosen token's log-probability under log_softmax(z)
+(z = raw logits for greedy rows), before top-k/top-p truncation.
+"""
+import torch
+
+GREEDY_TEMPERATURE = 0.01
+# Far above any real logit, yet LOGIT_CAP / GREEDY_TEMPERATURE stays finite in fp32.
+LOGIT_CAP = 1e30
+
+
+def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
+    """fp32 copy with NaN -> -inf and values above LOGIT_CAP (+inf too) -> LOGIT_CAP."""
+    logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=LOGIT_CAP)
+    return logits.clamp(max=LOGIT_CAP)
+
+
+def _row_generator(seed: int, step: int) -> torch.Generator:
+    # Mix seed and step so consecutive steps of one request, and the same step
+    # of neighbouring seeds, get unrelated streams.
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed((int(seed) * 0x9E3779B97F4A7C15 + int(step) * 0xBF58476D1CE4E5B9) % (1 << 63))
+    return gen
+
+
+def truncation_mask(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Boolean mask [V] of the tokens that top-k then top-p keep for one row z."""
+    vocab = z.shape[-1]
+    keep = torch.isfinite(z)
+    if 1 < top_k < vocab:
+        kth = torch.topk(z, top_k).values[-1]
+        keep &= z >= kth
+    if top_p < 1.0:
+        probs = torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+        sorted_probs, _ = torch.sort(probs, descending=True)
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # First index where the running sum reaches top_p; clamp guards float
+        # round-off that leaves the total just below 1.
+        last = int(torch.searchsorted(cumulative, torch.tensor([top_p], dtype=cumulative.dtype)).clamp(max=vocab - 1))
+        keep &= probs >= sorted_probs[last]
+    return keep
+
+
+def sample_reference(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    step: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. Returns (ids [B] int64, logprobs [B] fp32).
+
+    temperature/top_p are float tensors [B], top_k/seed integer tensors [B]
+    (top_k <= 0 means no top-k). ``step`` is the decode step, mixed into the
+    randomness so each step draws fresh numbers.
+    """
+    logits = sanitize_logits(logits)
+    batch, vocab = logits.shape
+    ids = torch.zeros(batch, dtype=torch.int64, device=logits.device)
+    logprobs = torch.zeros(batch, dtype=torch.float32, device=logits.device)
+    for row in range(batch):
+        row_logits = logits[row]
+        t, k, p = float(temperature[row]), int(top_k[row]), float(top_p[row])
+        if not torch.isfinite(row_logits).any():
+            ids[row] = 0
+            logprobs[row] = float("-inf")
+            continue
+        if t < GREEDY_TEMPERATURE or k == 1:
+            token = int(torch.argmax(row_logits))
+            ids[row] = token
+            logprobs[row] = torch.log_softmax(row_logits, dim=-1)[token]
+            continue
+        z = row_logits / t
+        keep = truncation_mask(z, k, p)
+        probs = torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+        # Exponential race (Gumbel-max in disguise): argmax p_i / E_i with
+        # E_i ~ Exp(1) is an exact draw from p, and needs no cumulative sum.
+        noise = torch.empty(vocab, dtype=torch.float32).exponential_(generator=_row_generator(int(seed[row]), step))
+        token = int(torch.argmax(probs.cpu() / noise))
+        ids[row] = token
+        logprobs[row] = torch.log_softmax(z, dim=-1)[token]
+    return ids, logprobs
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed: torch.Tensor,
+    step: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's one entry point: same contract as ``sample_reference``."""
+    return sample_reference(logits, temperature, top_k, top_p, seed, step)

@@ -1,0 +1,35 @@
+"""tornchat: a low-latency, single-user, OpenAI-compatible chat-completion server.
+
+torch is pinned to the exact release so that pip on a CPU machine takes the
+local CPU wheel instead of fetching a multi-GB CUDA build. A GPU user installs
+the CUDA build of the same release first (see README); the pin is then
+already satisfied.
+"""
+from setuptools import setup
+
+setup(
+    name="tornchat",
+    version="0.1.0",
+    description="Low-latency OpenAI-compatible chat-completion server with its own decode loop",
+    python_requires=">=3.10",
+    packages=["tornchat", "tornchat.engine", "tornchat.server", "tornchat.kernels"],
+    package_dir={"tornchat.kernels": "kernels"},
+    install_requires=[
+        "torch==2.13.0",
+        "transformers==5.23.0",
+        "gguf==0.19.0",
+        "accelerate==1.15.0",  # transformers needs it to load GGUF files
+        "safetensors",
+        "tornado==6.6.1",
+        "orjson>=3.10",
+        "triton==3.9.0",
+        "pyyaml>=6",
+        "prometheus-client>=0.20",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "openai>=1.40", "hypothesis>=6"],
+        "bench": ["matplotlib>=3.8", "openai>=1.40", "psutil>=5"],
+        "llamacpp": ["llama-cpp-python[server]==0.3.36"],
+    },
+    entry_points={"console_scripts": ["tornchat=tornchat.cli:main"]},
+)

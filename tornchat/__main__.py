@@ -1,0 +1,5 @@
+import sys
+
+from tornchat.cli import main
+
+sys.exit(main())

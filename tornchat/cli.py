@@ -1,0 +1,65 @@
+"""Command line: ``tornchat serve`` (also ``python -m tornchat``)."""
+import argparse
+import dataclasses
+import logging
+import sys
+
+from tornchat import config as config_module
+from tornchat.checkpoint import CheckpointError
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tornchat", description="OpenAI-compatible chat-completion server")
+    sub = p.add_subparsers(dest="command")
+    serve = sub.add_parser("serve", help="start the HTTP server (the default command)")
+    add_serve_flags(serve)
+    return p
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    # Every flag defaults to None so that "not given" lets the config file decide.
+    p.add_argument("--config", help="YAML file of settings (see configs/default.yaml); flags override it")
+    p.add_argument("--checkpoint-path", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to bind (default 8000)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weight dtype (default float32)")
+    p.add_argument("--threads", type=int, help="torch threads; 0 = one per core (default 0)")
+    p.add_argument("--kv-slots", type=int, help="conversations whose KV cache is kept (default 4)")
+    p.add_argument("--kv-memory-mb", type=int, help="memory bound on all KV slots together (default 2048)")
+    p.add_argument("--max-queue", type=int, help="requests allowed to wait; beyond that 503 (default 16)")
+    p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 4 MiB)")
+    p.add_argument("--max-messages", type=int, help="most messages in one request (default 1024)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
+    p.add_argument("--api-auth", help="require HTTP Basic credentials user:password")
+    p.add_argument("--cors-origin", help="allowed CORS origin, e.g. '*' (default: CORS off)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-"):
+        argv = ["serve", *argv]
+    args = parser().parse_args(argv)
+    if args.command != "serve":
+        parser().print_help()
+        return 2
+    overrides = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(config_module.Config)}
+    try:
+        config = config_module.build(args.config, overrides)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"tornchat: bad configuration: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    from tornchat.engine.build import build_engine
+    from tornchat.server.app import serve
+
+    try:
+        engine = build_engine(config)
+    except CheckpointError as exc:
+        print(f"tornchat: {exc}", file=sys.stderr)
+        return 1
+    serve(config, engine)
+    return 0

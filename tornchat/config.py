@@ -1,0 +1,43 @@
+"""Server settings: defaults, overridden by a YAML file, overridden by flags."""
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class Config:
+    checkpoint_path: str | None = None  # HF directory or .gguf; None: embedded SmolLM2-135M-Instruct
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    threads: int = 0  # torch intra-op threads; 0: one per core
+    kv_slots: int = 4  # conversations whose KV cache is kept between calls
+    kv_memory_mb: int = 2048  # bound on all slots together
+    max_queue: int = 16  # requests waiting behind the running one; beyond: 503
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_messages: int = 1024
+    api_key: str | None = None  # Bearer token clients must send
+    api_auth: str | None = None  # "user:password" for HTTP Basic
+    cors_origin: str | None = None  # e.g. "*" or "http://localhost:3000"; None: CORS off
+    log_level: str = "info"
+
+
+def load_yaml(path: str) -> dict:
+    """Settings from a YAML file; unknown keys are an error, so typos do not pass silently."""
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of setting: value")
+    known = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown settings {', '.join(unknown)}")
+    return {key.replace("-", "_"): value for key, value in data.items()}
+
+
+def build(file: str | None, overrides: dict) -> Config:
+    values = load_yaml(file) if file else {}
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    return Config(**values)

@@ -1,0 +1,34 @@
+"""Config in, ready Engine out: the one place that wires checkpoint, runner and slots."""
+import logging
+
+import torch
+
+from tornchat import checkpoint, prompt
+from tornchat.config import Config
+from tornchat.engine.model import HFRunner
+from tornchat.engine.slots import SlotPool
+from tornchat.engine.worker import Engine
+
+log = logging.getLogger("tornchat.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise checkpoint.CheckpointError("--device cuda, but this torch build sees no CUDA device")
+    return name
+
+
+def build_engine(config: Config) -> Engine:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = pick_device(config.device)
+    loaded = checkpoint.load(config.checkpoint_path, device=device, dtype=DTYPES[config.dtype])
+    runner = HFRunner(loaded.model)
+    slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024)
+    stops = prompt.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
+    log.info("engine ready on %s, %d threads, %d KV slots", device, torch.get_num_threads(), config.kv_slots)
+    return Engine(runner, loaded.tokenizer, stops, slots, max_queue=config.max_queue)

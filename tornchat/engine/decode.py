@@ -1,0 +1,103 @@
+"""The decode loop: prefill what the slot lacks, then one token per step.
+
+Everything a researcher changes when tweaking decoding lives here, on one
+screen: the forward calls, the sampler call, and the stop checks.
+"""
+import secrets
+from collections.abc import Callable
+
+import torch
+
+from tornchat.engine.model import PREFILL_CHUNK, Runner
+from tornchat.engine.slots import SlotPool
+from tornchat.engine.textstream import Detokenizer, StopMatcher
+from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, Usage
+from tornchat.kernels import sample
+
+
+def token_budget(request: GenerationRequest, context_length: int) -> int:
+    """New tokens allowed: the tightest of max_tokens, max_length and the context."""
+    prompt_len = len(request.prompt_ids)
+    limits = [context_length - prompt_len]
+    if request.max_length is not None:
+        limits.append(request.max_length - prompt_len)
+    if request.max_tokens is not None:
+        limits.append(request.max_tokens)
+    budget = min(limits)
+    if budget < 1:
+        raise PromptTooLong(
+            f"the prompt has {prompt_len} tokens, which leaves no room for a new token "
+            f"(max_length {request.max_length}, context {context_length})"
+        )
+    return budget
+
+
+def generate(
+    runner: Runner,
+    slots: SlotPool,
+    tokenizer,
+    stop_token_ids: frozenset[int],
+    request: GenerationRequest,
+    emit: Callable[[Event], None],
+    cancelled: Callable[[], bool],
+    counters: dict,
+) -> None:
+    """Run one request to completion, calling emit for each piece of text.
+
+    Returns quietly if cancelled() turns true; raises on a model failure
+    (after dropping the slot, whose cache may be half-written).
+    """
+    prompt = request.prompt_ids
+    budget = token_budget(request, runner.context_length)
+    slot, reused = slots.acquire(prompt)
+    counters["reused_tokens"] += reused
+    try:
+        for start in range(reused, len(prompt), PREFILL_CHUNK):
+            if cancelled():
+                return
+            chunk = prompt[start : start + PREFILL_CHUNK]
+            logits = runner.forward(chunk, slot.cache)
+            slot.tokens.extend(chunk)
+            counters["prefill_tokens"] += len(chunk)
+
+        params = request.sampling
+        device = logits.device
+        temperature = torch.tensor([params.temperature], dtype=torch.float32, device=device)
+        top_k = torch.tensor([params.top_k], dtype=torch.int32, device=device)
+        top_p = torch.tensor([params.top_p], dtype=torch.float32, device=device)
+        seed = torch.tensor([secrets.randbits(62) if params.seed is None else params.seed], dtype=torch.int64, device=device)
+
+        detok, stops = Detokenizer(tokenizer), StopMatcher(request.stop)
+        generated: list[int] = []
+        unsent: list[int] = []  # ids whose text has not been emitted yet
+        finish_reason, hit_stop_string = "length", False
+        for step in range(budget):
+            if cancelled():
+                return
+            token_ids, _ = sample(logits[None, :], temperature, top_k, top_p, seed, step)
+            token = int(token_ids[0])
+            generated.append(token)
+            if token in stop_token_ids:
+                finish_reason = "stop"
+                break
+            unsent.append(token)
+            text, hit_stop_string = stops.push(detok.push(token))
+            if text:
+                emit(Event(text=text, token_ids=tuple(unsent)))
+                unsent.clear()
+            if hit_stop_string:
+                finish_reason = "stop"
+                break
+            if step + 1 < budget:
+                logits = runner.forward([token], slot.cache)
+                slot.tokens.append(token)
+                counters["decode_steps"] += 1
+        if not hit_stop_string and (rest := stops.flush()):
+            emit(Event(text=rest, token_ids=tuple(unsent)))
+        usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated), cached_tokens=reused)
+        emit(Event(finish_reason=finish_reason, usage=usage))
+    except BaseException:
+        slots.discard(slot)
+        raise
+    finally:
+        slots.enforce_budget()

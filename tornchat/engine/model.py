@@ -1,0 +1,58 @@
+"""The model forward the decode loop calls, and the KV cache it fills.
+
+Any forward with this shape plugs in (``Runner``): transformers' own module
+(``HFRunner``, every causal LM) or a lean implementation for one family.
+"""
+from typing import Any, Protocol
+
+import torch
+
+PREFILL_CHUNK = 512  # bounds attention memory; cancellation is checked between chunks
+
+
+class Runner(Protocol):
+    device: torch.device
+    context_length: int
+
+    def new_cache(self) -> Any: ...
+
+    def forward(self, token_ids: list[int], cache: Any) -> torch.Tensor:
+        """Append token_ids to cache; return fp32 logits [V] of the last position."""
+
+    def truncate(self, cache: Any, length: int) -> None:
+        """Keep only the first ``length`` positions of cache."""
+
+    def cache_bytes(self, cache: Any) -> int: ...
+
+
+class HFRunner:
+    """transformers' model with a DynamicCache."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.device = next(model.parameters()).device
+        config = model.config
+        self.context_length = int(getattr(config, "max_position_embeddings", 2048) or 2048)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: list[int], cache) -> torch.Tensor:
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float()
+
+    def truncate(self, cache, length: int) -> None:
+        if cache.get_seq_length() > length:
+            cache.crop(length)
+
+    def cache_bytes(self, cache) -> int:
+        total = 0
+        for layer in getattr(cache, "layers", ()):
+            for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(tensor, torch.Tensor):
+                    total += tensor.numel() * tensor.element_size()
+        return total

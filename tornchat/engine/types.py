@@ -1,0 +1,59 @@
+"""Plain data passed between the server and the engine."""
+from dataclasses import dataclass, field
+
+
+class QueueFull(Exception):
+    """The FIFO of waiting requests is at its bound."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt leaves no room for a new token under max_length or the context."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k
+    top_p: float = 1.0
+    seed: int | None = None  # None: a fresh random seed per request
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None  # new tokens (OpenAI)
+    max_length: int | None = None  # prompt + new tokens (spec); the tighter bound wins
+    stop: tuple[str, ...] = ()  # up to 4 strings, matched on decoded text
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens taken from a KV slot instead of prefilled
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Event:
+    """One message from the worker: new text, and on the last one the outcome.
+
+    ``text`` is safe to show: it never holds a broken UTF-8 character or the
+    start of a stop string that may still complete. The last event of a
+    generation has ``finish_reason`` ("stop" or "length") and ``usage``, or
+    ``error`` if the generation failed.
+    """
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: BaseException | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None

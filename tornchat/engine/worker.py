@@ -1,0 +1,146 @@
+"""One generation at a time, in a worker thread, from a bounded FIFO queue."""
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from tornchat.engine import decode
+from tornchat.engine.model import Runner
+from tornchat.engine.slots import SlotPool
+from tornchat.engine.types import Event, GenerationRequest, QueueFull
+
+log = logging.getLogger("tornchat.engine")
+
+
+@dataclass
+class Handle:
+    """A submitted request. ``cancel`` takes effect within one decode step."""
+
+    request: GenerationRequest
+    on_event: Callable[[Event], None]
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+@dataclass
+class EngineStats:
+    """Counters the tests and /metrics read. Written by the worker thread only."""
+
+    counters: dict = field(
+        default_factory=lambda: {
+            "requests": 0,
+            "completed": 0,
+            "cancelled": 0,
+            "failed": 0,
+            "prefill_tokens": 0,
+            "reused_tokens": 0,
+            "decode_steps": 0,
+        }
+    )
+    last_prefill_tokens: int = 0
+    last_reused_tokens: int = 0
+
+
+class Engine:
+    def __init__(self, runner: Runner, tokenizer, stop_token_ids: frozenset[int], slots: SlotPool, max_queue: int = 16):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.stop_token_ids = stop_token_ids
+        self.slots = slots
+        self.max_queue = max_queue
+        self.stats = EngineStats()
+        self._waiting: deque[Handle] = deque()
+        self._wakeup = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tornchat-decode", daemon=True)
+        self._thread.start()
+
+    @property
+    def context_length(self) -> int:
+        return self.runner.context_length
+
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> Handle:
+        """Queue a request; on_event is called from the worker thread. Raises QueueFull."""
+        decode.token_budget(request, self.runner.context_length)  # PromptTooLong before queueing
+        handle = Handle(request, on_event)
+        with self._wakeup:
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting")
+            self._waiting.append(handle)
+            self._wakeup.notify()
+        return handle
+
+    def withdraw(self, handle: Handle) -> None:
+        """Cancel a request; one still waiting leaves the queue at once."""
+        handle.cancel()
+        with self._wakeup:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+                self.stats.counters["cancelled"] += 1
+
+    def generate(self, request: GenerationRequest) -> Iterator[Event]:
+        """Blocking iterator over one request's events (tests, benchmarks, scripts)."""
+        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        handle = self.submit(request, events.put)
+        try:
+            while True:
+                event = events.get()
+                yield event
+                if event.is_last:
+                    return
+        finally:
+            self.withdraw(handle)
+
+    def close(self) -> None:
+        with self._wakeup:
+            self._closed = True
+            for handle in self._waiting:
+                handle.cancel()
+            self._waiting.clear()
+            self._wakeup.notify()
+        self._thread.join(timeout=10)
+
+    def _next(self) -> Handle | None:
+        with self._wakeup:
+            while not self._waiting and not self._closed:
+                self._wakeup.wait()
+            return None if self._closed else self._waiting.popleft()
+
+    def _run(self) -> None:
+        while (handle := self._next()) is not None:
+            self._serve(handle)
+
+    def _serve(self, handle: Handle) -> None:
+        counters = self.stats.counters
+        counters["requests"] += 1
+        prefill_before, reused_before = counters["prefill_tokens"], counters["reused_tokens"]
+        try:
+            decode.generate(
+                self.runner,
+                self.slots,
+                self.tokenizer,
+                self.stop_token_ids,
+                handle.request,
+                handle.on_event,
+                lambda: handle.cancelled,
+                counters,
+            )
+            counters["cancelled" if handle.cancelled else "completed"] += 1
+        except Exception as exc:
+            counters["failed"] += 1
+            log.exception("generation failed")
+            handle.on_event(Event(error=exc))
+        finally:
+            self.stats.last_prefill_tokens = counters["prefill_tokens"] - prefill_before
+            self.stats.last_reused_tokens = counters["reused_tokens"] - reused_before
