@@ -1,0 +1,65 @@
+"""Shared fixtures: a tiny random-weight Llama for fast tests, the real SmolLM2 for integration."""
+import pytest
+import torch
+
+from tornchat import checkpoint, prompt
+from tornchat.engine.model import HFRunner
+from tornchat.engine.slots import SlotPool
+from tornchat.engine.worker import Engine
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> str:
+    """The embedded default model as a HF directory (converted from its GGUF once per machine)."""
+    return str(checkpoint.resolve(None))
+
+
+@pytest.fixture(scope="session")
+def smol(smol_dir) -> checkpoint.Loaded:
+    return checkpoint.load(smol_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smol):
+    return smol.tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    """2-layer Llama with random weights over SmolLM2's vocabulary: fast, deterministic."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def make_engine(model, tokenizer, kv_slots=4, kv_bytes=1 << 30, max_queue=16) -> Engine:
+    runner = HFRunner(model)
+    stops = prompt.stop_token_ids(tokenizer, getattr(model, "generation_config", None))
+    return Engine(runner, tokenizer, stops, SlotPool(runner, kv_slots, kv_bytes), max_queue=max_queue)
+
+
+@pytest.fixture
+def tiny_engine(tiny_model, tokenizer):
+    engine = make_engine(tiny_model, tokenizer)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def smol_engine(smol):
+    engine = make_engine(smol.model, smol.tokenizer)
+    yield engine
+    engine.close()
