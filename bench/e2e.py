@@ -1,0 +1,485 @@
+"""End-to-end benchmark: tornchat against what a user would pick instead (issue 5).
+
+Each system runs as a real server on loopback, one at a time, with the same
+thread count, and is driven through the openai SDK with streaming, so TTFT
+and the gaps between streamed chunks are what a client sees. Workloads:
+
+- short: one short prompt, greedy, ~128 new tokens: TTFT and decode tokens/s;
+- chat: a conversation whose client resends the whole history each turn,
+  appending the real reply and a long user message, growing to ~2,000 prompt
+  tokens by turn 6: TTFT per turn;
+- peak RSS of the server process and its children, sampled throughout.
+
+    python bench/e2e.py                      # every system that is installed
+    python bench/e2e.py --quick --systems baseline,llamacpp
+
+Writes bench/results/e2e-<timestamp>.json, e2e-ttft.png, e2e-decode.png and
+e2e.md (the table for the README); server logs go to bench/results/logs/.
+"""
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import orjson
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import workloads  # noqa: E402  (sibling module; bench/ is not a package)
+
+from tornchat import checkpoint  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+STARTUP_TIMEOUT_S = 600
+
+
+@dataclass
+class System:
+    name: str
+    label: str  # what the table calls it
+    command: list[str]
+    model: str  # the "model" field the server expects
+    ready_path: str
+    skip: str | None = None  # why it cannot run here, when it cannot
+    env: dict = field(default_factory=dict)
+
+
+def tornchat_systems(threads: int, port: int) -> list[System]:
+    """tornchat with its defaults, plus the plain transformers fp32 path when a faster one is the default.
+
+    The model-path options are being added while this bench is written, so
+    they are looked up in the Config at run time rather than assumed.
+    """
+    from tornchat.config import Config
+
+    base = [sys.executable, "-m", "tornchat", "serve", "--port", str(port), "--threads", str(threads)]
+    if importlib.util.find_spec("tornchat.server.app") is None:
+        reason = "tornchat.server.app does not exist yet"
+        return [System("tornchat", "tornchat", base, "gpt-3.5-turbo", "/health", skip=reason)]
+    defaults = Config()
+    label = "tornchat (defaults" + "".join(
+        f", {name}={getattr(defaults, name)}" for name in ("model_impl", "quantize") if hasattr(defaults, name)
+    ) + ")"
+    systems = [System("tornchat", label, base, "gpt-3.5-turbo", "/health")]
+    plain = []
+    if getattr(defaults, "model_impl", "hf") != "hf":
+        plain += ["--model-impl", "hf"]
+    if getattr(defaults, "quantize", "none") not in ("none", None):
+        plain += ["--quantize", "none"]
+    if plain:
+        systems.append(System("tornchat-hf", "tornchat (HF fp32 path)", base + plain, "gpt-3.5-turbo", "/health"))
+    return systems
+
+
+def baseline_system(threads: int, port: int) -> System:
+    script = str(Path(__file__).resolve().parent / "baseline_server.py")
+    command = [sys.executable, script, "--port", str(port), "--threads", str(threads)]
+    return System("baseline", "transformers generate per request (reference)", command, "baseline", "/health")
+
+
+def llamacpp_system(threads: int, port: int) -> System:
+    gguf = str(checkpoint.default_gguf_path())
+    command = [
+        sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
+        "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
+        "--chat_format", "chatml",
+    ]
+    skip = None if importlib.util.find_spec("llama_cpp") else "not installed: pip install -e '.[llamacpp]'"
+    return System("llamacpp", f"llama.cpp server (llama-cpp-python {version('llama_cpp_python')}, Q4_1 GGUF)",
+                  command, "smollm2", "/v1/models", skip=skip)
+
+
+def transformers_serve_system(threads: int, port: int) -> System:
+    directory = str(checkpoint.resolve(None))
+    command = [str(Path(sys.executable).with_name("transformers")), "serve", directory,
+               "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32"]
+    missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    skip = f"needs {' and '.join(missing)}: pip install 'transformers[serving]'" if missing else None
+    return System("transformers-serve", f"transformers serve ({version('transformers')})", command, directory,
+                  "/health", skip=skip, env={"HF_HUB_OFFLINE": "1"})
+
+
+SYSTEM_BUILDERS = {
+    "tornchat": tornchat_systems,
+    "baseline": lambda threads, port: [baseline_system(threads, port)],
+    "llamacpp": lambda threads, port: [llamacpp_system(threads, port)],
+    "transformers-serve": lambda threads, port: [transformers_serve_system(threads, port)],
+}
+
+
+def version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RssSampler(threading.Thread):
+    """Peak resident memory of a process tree, sampled every 100 ms (children included: llama.cpp and
+    uvicorn may fork)."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.process = psutil.Process(pid)
+        self.peak = 0
+        self.stopped = threading.Event()
+
+    def current(self) -> int:
+        total = 0
+        for p in [self.process, *self.process.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    def run(self):
+        while not self.stopped.wait(0.1):
+            try:
+                self.peak = max(self.peak, self.current())
+            except psutil.Error:
+                return
+
+
+class Server:
+    def __init__(self, system: System, port: int, threads: int):
+        self.system, self.port = system, port
+        RESULTS.joinpath("logs").mkdir(parents=True, exist_ok=True)
+        self.log_path = RESULTS / "logs" / f"{system.name}.log"
+        # Every runtime reads these; tornchat and the baseline also set their thread count from flags.
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+               "TOKENIZERS_PARALLELISM": "false", **system.env}
+        self.started = time.perf_counter()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(system.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        self.rss = RssSampler(self.process.pid)
+        self.rss.start()
+
+    def wait_ready(self) -> float:
+        """Seconds from launch until the ready path answers 200; raises with the log's tail if it never does."""
+        url = f"http://127.0.0.1:{self.port}{self.system.ready_path}"
+        deadline = self.started + STARTUP_TIMEOUT_S
+        while time.perf_counter() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"exited with status {self.process.returncode}: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as reply:
+                    if reply.status == 200:
+                        return time.perf_counter() - self.started
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"not ready after {STARTUP_TIMEOUT_S} s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 3) -> str:
+        text = self.log_path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(text[-lines:]) or "(no output)"
+
+    def stop(self) -> int:
+        self.rss.stopped.set()
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        return self.rss.peak
+
+
+def stream_once(client, model: str, messages: list[dict], max_tokens: int, tokenizer) -> dict:
+    """One streamed, greedy completion, timed at the client."""
+    started = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    arrivals, pieces, usage = [], [], None
+    for event in stream:
+        if event.usage:
+            usage = event.usage
+        if event.choices and event.choices[0].delta.content:
+            arrivals.append(time.perf_counter())
+            pieces.append(event.choices[0].delta.content)
+    finished = time.perf_counter()
+    text = "".join(pieces)
+    if not arrivals:
+        raise RuntimeError("the stream carried no text")
+    # Servers differ in whether they report usage while streaming; re-tokenizing the
+    # text is the fallback, so every system gets a token count.
+    tokens = usage.completion_tokens if usage else len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    decode_s = arrivals[-1] - arrivals[0]
+    return {
+        "ttft_s": arrivals[0] - started,
+        "total_s": finished - started,
+        "completion_tokens": tokens,
+        "usage_reported": usage is not None,
+        "chunks": len(arrivals),
+        "decode_tok_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
+        "gaps_ms": [1000 * (b - a) for a, b in zip(arrivals, arrivals[1:])],
+        "server_prompt_tokens": usage.prompt_tokens if usage else None,
+        "text": text,
+    }
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def run_system(system: System, port: int, threads: int, workload: workloads.Workload, tokenizer,
+               user_messages: list[str]) -> dict:
+    server = Server(system, port, threads)
+    try:
+        result = drive(server, system, port, workload, tokenizer, user_messages)
+    finally:
+        peak = server.stop()
+        print(f"  stopped; peak RSS {peak / 2**20:.0f} MiB (log: {server.log_path})", flush=True)
+    result["peak_rss_mib"] = peak / 2**20
+    # Other work on a shared machine slows every figure; the load average says how much there was.
+    result["load_average_after"] = os.getloadavg()[0]
+    return result
+
+
+def drive(server: Server, system: System, port: int, workload: workloads.Workload, tokenizer,
+          user_messages: list[str]) -> dict:
+    from openai import OpenAI
+
+    ready_s = server.wait_ready()
+    print(f"  ready after {ready_s:.1f} s (rss {server.rss.current() / 2**20:.0f} MiB)", flush=True)
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0, timeout=600)
+    # The first request of a process pays one-time costs (lazy init, allocator growth);
+    # the workloads measure the steady state a user sees after that.
+    stream_once(client, system.model, [{"role": "user", "content": "Hi"}], 4, tokenizer)
+
+    short = stream_once(client, system.model, workloads.short_messages(), workload.short_max_tokens, tokenizer)
+    print(f"  short: TTFT {short['ttft_s'] * 1000:.0f} ms, decode {short['decode_tok_s'] or 0:.1f} tok/s, "
+          f"{short['completion_tokens']} tokens in {short['chunks']} chunks", flush=True)
+
+    messages = [{"role": "system", "content": workloads.SYSTEM}]
+    turns = []
+    for number, user in enumerate(user_messages, 1):
+        messages.append({"role": "user", "content": user})
+        turn = stream_once(client, system.model, messages, workload.turn_max_tokens, tokenizer)
+        turn["prompt_tokens"] = workloads.prompt_tokens(messages, tokenizer)
+        messages.append({"role": "assistant", "content": turn["text"]})
+        turns.append(turn)
+        print(f"  chat turn {number}: {turn['prompt_tokens']} prompt tokens, TTFT {turn['ttft_s'] * 1000:.0f} ms, "
+              f"{turn['completion_tokens']} tokens, decode {turn['decode_tok_s'] or 0:.1f} tok/s", flush=True)
+    gaps = short["gaps_ms"] + [gap for turn in turns for gap in turn["gaps_ms"]]
+    return {"ready_s": ready_s, "short": short, "chat": turns,
+            "gap_p50_ms": percentile(gaps, 0.5), "gap_p99_ms": percentile(gaps, 0.99)}
+
+
+def machine(threads: int) -> dict:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "threads": threads,
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "packages": {name: version(name) for name in
+                     ("torch", "transformers", "tornado", "llama_cpp_python", "openai")},
+    }
+
+
+def fmt(value, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(report: dict) -> str:
+    m, s = report["machine"], report["settings"]
+    ran = {name: entry for name, entry in report["systems"].items() if "result" in entry}
+    lines = [
+        "# End-to-end benchmark",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; every server runs with "
+        f"{m['threads']} threads. {report['started']}, `python bench/e2e.py{' --quick' if s['quick'] else ''}`.",
+        f"Packages: {', '.join(f'{k} {v}' for k, v in m['packages'].items())}.",
+        "",
+        f"Model: SmolLM2-135M-Instruct (embedded Q4_1 GGUF; the transformers-based systems load it dequantized "
+        f"to fp32). Each system is a real server on loopback, driven one at a time through the openai SDK "
+        f"with `stream=True`, greedy (temperature 0), after one tiny warm-up request. Short prompt: "
+        f"{s['short_max_tokens']} new tokens at most. Chat: {s['turns']} turns, each resending the whole "
+        f"history plus a ~{s['user_tokens']}-token user message, {s['turn_max_tokens']} new tokens at most "
+        f"per turn. One run per system on a shared machine: compare ratios, not absolute figures.",
+        "",
+        "| system | ready (s) | short TTFT (ms) | decode tok/s | chunk gap p50 / p99 (ms) "
+        f"| chat TTFT turn 1 (ms) | chat TTFT turn {s['turns']} (ms) | peak RSS (MiB) | load avg |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in ran.values():
+        r = entry["result"]
+        lines.append(
+            f"| {entry['label']} | {r['ready_s']:.1f} | {r['short']['ttft_s'] * 1000:.0f} "
+            f"| {fmt(r['short']['decode_tok_s'], '.1f')} | {fmt(r['gap_p50_ms'])} / {fmt(r['gap_p99_ms'])} "
+            f"| {r['chat'][0]['ttft_s'] * 1000:.0f} | {r['chat'][-1]['ttft_s'] * 1000:.0f} | {r['peak_rss_mib']:.0f} "
+            f"| {r['load_average_after']:.1f} |"
+        )
+    baseline = ran.get("baseline")
+    if baseline and len(ran) > 1:
+        b = baseline["result"]
+        lines += ["", "Against the reference baseline (x times faster; TTFT as baseline / system):", "",
+                  f"| system | decode tok/s | short TTFT | chat TTFT turn {s['turns']} | chat TTFT, sum of turns |",
+                  "|---|---|---|---|---|"]
+        for name, entry in ran.items():
+            if name == "baseline":
+                continue
+            r = entry["result"]
+            decode = (r["short"]["decode_tok_s"] / b["short"]["decode_tok_s"]
+                      if r["short"]["decode_tok_s"] and b["short"]["decode_tok_s"] else None)
+            lines.append(
+                f"| {entry['label']} | {fmt(decode, '.2f')}x | {b['short']['ttft_s'] / r['short']['ttft_s']:.2f}x "
+                f"| {b['chat'][-1]['ttft_s'] / r['chat'][-1]['ttft_s']:.2f}x "
+                f"| {sum(t['ttft_s'] for t in b['chat']) / sum(t['ttft_s'] for t in r['chat']):.2f}x |"
+            )
+    lines += ["", "Chat TTFT per turn in ms (prompt tokens as the model's template counts them):", "",
+              "| turn | " + " | ".join(entry["label"] for entry in ran.values()) + " |",
+              "|---|" + "---|" * len(ran)]
+    for turn in range(s["turns"]):
+        cells = [f"{e['result']['chat'][turn]['ttft_s'] * 1000:.0f} ({e['result']['chat'][turn]['prompt_tokens']})"
+                 for e in ran.values()]
+        lines.append(f"| {turn + 1} | " + " | ".join(cells) + " |")
+    lines += ["", "Decode tok/s: completion tokens (the server's `usage`, else the reply re-tokenized) after the "
+              "first, over the time from the first to the last streamed chunk. Chunk gaps: time between streamed "
+              "chunks with text, over the short prompt and all chat turns; a server that streams words rather than "
+              "tokens has fewer, longer gaps (tokens per chunk: "
+              + ", ".join(f"{e['label']} {e['result']['tokens_per_chunk']:.2f}" for e in ran.values()) + ")."
+              " Peak RSS: the server process and its children, sampled every 100 ms from launch to exit."
+              " Load avg: the machine's 1-minute load average when the system's run ended (above the thread "
+              "count means other work shared the cores)."]
+    skipped = {name: entry for name, entry in report["systems"].items() if "skipped" in entry}
+    if skipped:
+        lines += ["", "Not measured:"] + [f"- {entry['label']}: {entry['skipped']}" for entry in skipped.values()]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, stamp: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = {name: entry for name, entry in report["systems"].items() if "result" in entry}
+    if not ran:
+        return []
+    caption = f"{report['machine']['cpu']}, {report['machine']['threads']} threads"
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for entry in ran.values():
+        chat = entry["result"]["chat"]
+        ax.plot(range(1, len(chat) + 1), [t["ttft_s"] for t in chat], marker="o", label=entry["label"])
+    ax.set_yscale("log")
+    ax.set_xlabel("chat turn (whole history resent; prompt grows to ~2,000 tokens)")
+    ax.set_ylabel("time to first token (s, log scale)")
+    ax.set_title(f"TTFT per chat turn\n{caption}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    ttft = RESULTS / f"e2e-ttft-{stamp}.png"
+    fig.savefig(ttft, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(ran) + 1.8))
+    labels = [entry["label"] for entry in ran.values()]
+    rates = [entry["result"]["short"]["decode_tok_s"] or 0 for entry in ran.values()]
+    bars = ax.barh(labels, rates)
+    ax.bar_label(bars, fmt="%.1f", padding=3)
+    ax.invert_yaxis()
+    ax.set_xlabel("decode tokens/s, streamed, greedy (higher is better)")
+    ax.set_title(f"Decode speed, short prompt\n{caption}", fontsize=10)
+    fig.tight_layout()
+    decode = RESULTS / f"e2e-decode-{stamp}.png"
+    fig.savefig(decode, dpi=120)
+    plt.close(fig)
+    return [ttft, decode]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="End-to-end benchmark: tornchat against what users would pick instead")
+    p.add_argument("--systems", default=",".join(SYSTEM_BUILDERS),
+                   help=f"comma-separated, from {', '.join(SYSTEM_BUILDERS)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="fewer turns and tokens, for a smoke run")
+    p.add_argument("--threads", type=int, default=2, help="threads for every server (default 2)")
+    args = p.parse_args(argv)
+    wanted = [name.strip() for name in args.systems.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in SYSTEM_BUILDERS]
+    if unknown:
+        p.error(f"unknown systems {', '.join(unknown)}; choose from {', '.join(SYSTEM_BUILDERS)}")
+
+    from transformers import AutoTokenizer
+
+    workload = workloads.QUICK if args.quick else workloads.FULL
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint.resolve(None))
+    user_messages = workloads.chat_user_messages(workload, tokenizer)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    report = {
+        "started": datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(args.threads),
+        "settings": {**dataclasses.asdict(workload), "quick": args.quick, "systems": wanted},
+        "systems": {},
+    }
+    print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, {args.threads} threads", flush=True)
+    for builder in wanted:
+        for system in SYSTEM_BUILDERS[builder](args.threads, free_port()):
+            entry = report["systems"][system.name] = {"label": system.label, "command": system.command}
+            if system.skip:
+                print(f"[{system.name}] skipped: {system.skip}", flush=True)
+                entry["skipped"] = system.skip
+                continue
+            print(f"[{system.name}] starting: {' '.join(system.command)}", flush=True)
+            port = int(system.command[system.command.index("--port") + 1])
+            try:
+                result = run_system(system, port, args.threads, workload, tokenizer, user_messages)
+            except Exception as exc:  # a system that fails is reported, and the others still run
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                print(f"[{system.name}] skipped: {reason}", flush=True)
+                entry["skipped"] = reason
+                continue
+            result["tokens_per_chunk"] = (
+                sum(t["completion_tokens"] for t in [result["short"], *result["chat"]])
+                / sum(t["chunks"] for t in [result["short"], *result["chat"]])
+            )
+            entry["result"] = result
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    data = RESULTS / f"e2e-{stamp}.json"
+    data.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    table = RESULTS / "e2e.md"
+    table.write_text(markdown(report))
+    images = plot(report, stamp)
+    print(f"wrote {data}, {table}" + "".join(f", {image}" for image in images), flush=True)
+    print(table.read_text(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
