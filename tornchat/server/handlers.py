@@ -1,0 +1,240 @@
+"""Request handlers. Cross-cutting checks (auth, CORS) live in BaseHandler.prepare;
+every error is raised as an HTTPError and rendered by the one write_error.
+"""
+import logging
+import time
+
+import orjson
+from tornado.ioloop import IOLoop
+from tornado.iostream import StreamClosedError
+from tornado.queues import Queue
+from tornado.web import HTTPError, RequestHandler, stream_request_body
+
+from tornchat import MODEL_ID, functions, prompt
+from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, QueueFull
+from tornchat.functions import Piece
+from tornchat.server import auth, replies, sse, stats, validate
+from tornchat.server.errors import APIError, invalid
+
+log = logging.getLogger("tornchat.server")
+
+STATUS_DETAILS = {404: "Not found", 405: "Method not allowed"}
+
+
+class BaseHandler(RequestHandler):
+    open_access = False  # True: no credentials needed (health checks)
+
+    @property
+    def config(self):
+        return self.settings["tornchat_config"]
+
+    @property
+    def engine(self):
+        return self.settings["engine"]
+
+    @property
+    def server_stats(self) -> stats.ServerStats:
+        return self.settings["server_stats"]
+
+    def set_default_headers(self) -> None:
+        origin = self.settings["tornchat_config"].cors_origin
+        if origin:
+            self.set_header("Access-Control-Allow-Origin", origin)
+            if origin != "*":
+                self.set_header("Vary", "Origin")
+
+    def prepare(self) -> None:
+        # A CORS preflight carries no credentials by design.
+        if self.request.method == "OPTIONS" or self.open_access:
+            return
+        if not auth.authorized(self.config, self.request.headers.get("Authorization")):
+            raise APIError(401, "Invalid or missing credentials")
+
+    def options(self, *args) -> None:
+        if not self.config.cors_origin:
+            raise HTTPError(405)
+        self.set_header("Access-Control-Allow-Methods", "GET, POST, OPTIONS")
+        requested = self.request.headers.get("Access-Control-Request-Headers")
+        self.set_header("Access-Control-Allow-Headers", requested or "Authorization, Content-Type")
+        self.set_header("Access-Control-Max-Age", "600")
+        self.set_status(204)
+
+    def write_json(self, payload: dict) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.write(orjson.dumps(payload))
+
+    def write_error(self, status_code: int, **kwargs) -> None:
+        error = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(error, APIError):
+            detail = error.detail
+            for name, value in error.headers.items():
+                self.set_header(name, value)
+        elif isinstance(error, HTTPError) and status_code < 500:
+            detail = STATUS_DETAILS.get(status_code, self._reason)
+        else:
+            detail = "Internal server error"  # Tornado has logged the traceback
+        if status_code == 401:
+            for challenge in auth.challenges(self.config):
+                self.add_header("WWW-Authenticate", challenge)
+        self.write_json({"detail": detail})
+
+
+class NotFoundHandler(BaseHandler):
+    def prepare(self) -> None:
+        raise HTTPError(404)
+
+
+class HealthHandler(BaseHandler):
+    open_access = True
+
+    def get(self) -> None:
+        self.write_json(stats.snapshot(self.engine, self.server_stats))
+
+
+class ModelsHandler(BaseHandler):
+    def get(self) -> None:
+        self.write_json({"object": "list", "data": [replies.model_card()]})
+
+
+class ModelHandler(BaseHandler):
+    def get(self, model_id: str) -> None:
+        if model_id != MODEL_ID:
+            raise APIError(404, f"Model {model_id!r} not found")
+        self.write_json(replies.model_card())
+
+
+@stream_request_body
+class ChatCompletionsHandler(BaseHandler):
+    """POST /v1/chat/completions: validate, queue on the engine, answer as JSON or SSE.
+
+    The body streams in so that an oversized one is refused without holding
+    it all. Engine events arrive from the worker thread through
+    IOLoop.add_callback into a Queue; a client that leaves withdraws its
+    request from the engine.
+    """
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.handle = None
+        self.generating = False
+        self.usage = None  # for the access log
+        self.first_token_at: float | None = None
+        self.body_size = 0
+        self.chunks: list[bytes] = []
+        declared = self.request.headers.get("Content-Length", "")
+        if declared.isdigit() and int(declared) > self.config.max_body_bytes:
+            raise self._too_large(int(declared))
+
+    def data_received(self, chunk: bytes) -> None:
+        self.body_size += len(chunk)
+        if self.body_size <= self.config.max_body_bytes:
+            self.chunks.append(chunk)
+
+    def _too_large(self, size: int) -> APIError:
+        return invalid(f"body is {size} bytes; the limit is {self.config.max_body_bytes} (max_body_bytes)", 413)
+
+    async def post(self) -> None:
+        if self.body_size > self.config.max_body_bytes:
+            raise self._too_large(self.body_size)
+        request = validate.chat_request(validate.parse_body(b"".join(self.chunks)), self.config.max_messages)
+        tokenizer = self.engine.tokenizer
+        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice)
+        generation = GenerationRequest(
+            prompt_ids=prompt.encode(tokenizer, plan.prompt),
+            sampling=request.sampling,
+            max_tokens=request.max_tokens,
+            max_length=request.max_length,
+            stop=request.stop + plan.stops,
+        )
+        self.events: Queue[Event | None] = Queue()
+        loop = IOLoop.current()
+        try:
+            self.handle = self.engine.submit(generation, lambda event: loop.add_callback(self.events.put_nowait, event))
+        except PromptTooLong as exc:
+            raise invalid(str(exc)) from None
+        except QueueFull:
+            raise APIError(503, "Server busy: too many requests are waiting; retry shortly", {"Retry-After": "1"}) from None
+        self.generating = True
+        reply = replies.Reply(request.call_style)
+        if request.stream:
+            await self._stream(reply, plan.parser, request.include_usage)
+        else:
+            await self._complete(reply, plan.parser)
+
+    async def _complete(self, reply: replies.Reply, parser) -> None:
+        async for event in self._events():
+            if event.error is not None:
+                raise APIError(500, "Internal server error")  # the engine has logged it
+            for piece in _pieces(parser, event):
+                reply.add(piece)
+            if event.is_last:
+                self.usage = event.usage
+                self.write_json(reply.completion(event.finish_reason, event.usage))
+
+    async def _stream(self, reply: replies.Reply, parser, include_usage: bool) -> None:
+        self.server_stats.counters["streams"] += 1
+        self.set_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.set_header("Cache-Control", "no-cache")
+        if not await self._send(sse.record(reply.chunk({"role": "assistant"}))):
+            return
+        try:
+            async for event in self._events():
+                if event.error is not None:
+                    await self._send(sse.error_record("Generation failed", "server_error") + sse.DONE)
+                    return
+                records = [sse.record(reply.chunk(delta)) for p in _pieces(parser, event) if (delta := reply.add(p))]
+                if event.is_last:
+                    self.usage = event.usage
+                    records.append(sse.record(reply.chunk({}, reply.finish_reason(event.finish_reason))))
+                    if include_usage:
+                        records.append(sse.record(reply.usage_chunk(event.usage)))
+                    records.append(sse.DONE)
+                if records and not await self._send(b"".join(records)):
+                    return
+        except Exception:
+            log.exception("stream failed")
+            await self._send(sse.error_record("Internal server error", "server_error") + sse.DONE)
+
+    async def _events(self):
+        """Engine events for this request, ending with the last one or when the client leaves."""
+        while (event := await self.events.get()) is not None:
+            if self.first_token_at is None and event.text:
+                self.first_token_at = time.time()
+            yield event
+            if event.is_last:
+                self.generating = False
+                return
+
+    async def _send(self, data: bytes) -> bool:
+        """Write and flush; False (and the generation withdrawn) if the client has gone."""
+        try:
+            self.write(data)
+            await self.flush()
+            return True
+        except StreamClosedError:
+            self._withdraw()
+            return False
+
+    def _withdraw(self) -> None:
+        if self.generating:
+            self.generating = False
+            self.engine.withdraw(self.handle)
+            self.server_stats.counters["client_disconnects"] += 1
+            self.events.put_nowait(None)
+
+    def on_connection_close(self) -> None:
+        if getattr(self, "handle", None) is not None:
+            self._withdraw()
+
+    def on_finish(self) -> None:
+        # A handler that ends early for any reason must not leave its generation running.
+        if getattr(self, "handle", None) is not None and self.generating:
+            self.generating = False
+            self.engine.withdraw(self.handle)
+
+
+def _pieces(parser, event: Event) -> list[Piece]:
+    if parser is None:
+        return [Piece("content", event.text)] if event.text else []
+    pieces = parser.push(event.text) if event.text else []
+    return pieces + parser.finish() if event.finish_reason else pieces

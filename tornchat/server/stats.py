@@ -1,0 +1,34 @@
+"""Counters of the HTTP layer, and the one snapshot /health (and any metrics endpoint) reads."""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerStats:
+    """Written on the IOLoop thread only."""
+
+    counters: dict = field(
+        default_factory=lambda: {
+            "http_requests": 0,
+            "http_client_errors": 0,  # 4xx
+            "http_server_errors": 0,  # 5xx
+            "streams": 0,
+            "client_disconnects": 0,  # generations withdrawn because the client left
+        }
+    )
+
+    def count_response(self, status: int) -> None:
+        self.counters["http_requests"] += 1
+        if 400 <= status < 500:
+            self.counters["http_client_errors"] += 1
+        elif status >= 500:
+            self.counters["http_server_errors"] += 1
+
+
+def snapshot(engine, server: ServerStats) -> dict:
+    return {
+        "status": "ok",
+        "model_loaded": engine is not None,
+        "queue_depth": engine.queue_depth(),
+        "engine": dict(engine.stats.counters),
+        "server": dict(server.counters),
+    }

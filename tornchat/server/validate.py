@@ -1,0 +1,298 @@
+"""Request body -> ChatRequest, or a 400 naming the field that is wrong.
+
+Types are checked strictly (a bool is not a number, a string is not a list);
+unknown fields are ignored, as OpenAI clients send many we do not use.
+"""
+import math
+import re
+from dataclasses import dataclass, field
+
+import orjson
+
+from tornchat.engine.types import SamplingParams
+from tornchat.functions import Choice
+from tornchat.server.errors import invalid
+
+ROLES = ("system", "user", "assistant", "function", "tool")
+MAX_STOP = 4
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+SEED_MODULUS = 1 << 63  # seeds of any size map into the sampler's int64 range
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]  # role, content (str), and function_call / tool_calls / name / tool_call_id if present
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int | None = None
+    max_length: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    functions: list[dict] = field(default_factory=list)  # name, description, parameters
+    call_style: str | None = None  # "functions" (legacy) or "tools": the shape of a call in the reply
+    choice: Choice = field(default_factory=Choice)
+
+
+def parse_body(body: bytes) -> dict:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise invalid(f"body is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise invalid("body must be a JSON object")
+    return data
+
+
+def chat_request(data: dict, max_messages: int) -> ChatRequest:
+    model = data.get("model")
+    if not isinstance(model, str):
+        raise invalid("model is required and must be a string")
+    functions, call_style, choice = _functions(data)
+    temperature = _number(data, "temperature", 0.0, 2.0)
+    top_p = _number(data, "top_p", 0.0, 1.0)
+    top_k = _integer(data, "top_k", 1)
+    seed = _integer(data, "seed", None)
+    n = _integer(data, "n", 1)
+    if n not in (None, 1):
+        raise invalid("n must be 1: one choice per request")
+    max_tokens = [v for v in (_integer(data, "max_tokens", 1), _integer(data, "max_completion_tokens", 1)) if v]
+    stream_options = _object(data, "stream_options")
+    return ChatRequest(
+        messages=_messages(data.get("messages"), max_messages),
+        sampling=SamplingParams(
+            temperature=1.0 if temperature is None else temperature,
+            top_k=top_k or 0,
+            top_p=1.0 if top_p is None else top_p,
+            seed=None if seed is None else seed % SEED_MODULUS,
+        ),
+        max_tokens=min(max_tokens, default=None),
+        max_length=_integer(data, "max_length", 1),
+        stop=_stop(data.get("stop")),
+        stream=bool(_boolean(data, "stream")),
+        include_usage=bool(_boolean(stream_options, "include_usage", "stream_options.include_usage")),
+        functions=functions,
+        call_style=call_style,
+        choice=choice,
+    )
+
+
+# ---- scalar fields ----------------------------------------------------------------
+
+
+def _number(data: dict, key: str, low: float, high: float) -> float | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise invalid(f"{key} must be a number")
+    if not low <= value <= high:
+        raise invalid(f"{key} must be between {low:g} and {high:g}, got {value:g}")
+    return float(value)
+
+
+def _integer(data: dict, key: str, low: int | None) -> int | None:
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(f"{key} must be an integer")
+    if low is not None and value < low:
+        raise invalid(f"{key} must be at least {low}, got {value}")
+    return value
+
+
+def _boolean(data: dict, key: str, name: str | None = None) -> bool | None:
+    value = data.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise invalid(f"{name or key} must be true or false")
+    return value
+
+
+def _object(data: dict, key: str, name: str | None = None) -> dict:
+    value = data.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise invalid(f"{name or key} must be an object")
+    return value
+
+
+def _string(data: dict, key: str, name: str, required: bool = False) -> str | None:
+    value = data.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str):
+        raise invalid(f"{name} must be a string")
+    return value
+
+
+def _stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise invalid("stop must be a string or an array of strings")
+    if len(value) > MAX_STOP:
+        raise invalid(f"stop has {len(value)} strings; at most {MAX_STOP} are allowed")
+    return tuple(s for s in value if s)
+
+
+# ---- messages ---------------------------------------------------------------------
+
+
+def _messages(value, max_messages: int) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise invalid("messages must be a non-empty array")
+    if len(value) > max_messages:
+        raise invalid(f"messages has {len(value)} entries; at most {max_messages} are allowed")
+    messages: list[dict] = []
+    for i, raw in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(raw, dict):
+            raise invalid(f"{where} must be an object")
+        role = raw.get("role")
+        if role not in ROLES:
+            raise invalid(f"{where}.role must be one of {', '.join(ROLES)}")
+        message = {"role": role, "content": _content(raw, where, nullable=role == "assistant")}
+        if (name := _string(raw, "name", f"{where}.name")) is not None:
+            message["name"] = name
+        if raw.get("function_call") is not None:
+            if role != "assistant":
+                raise invalid(f"{where}.function_call is only allowed on assistant messages")
+            message["function_call"] = _call(raw["function_call"], f"{where}.function_call")
+        if raw.get("tool_calls") is not None:
+            if role != "assistant":
+                raise invalid(f"{where}.tool_calls is only allowed on assistant messages")
+            message["tool_calls"] = _tool_calls(raw["tool_calls"], f"{where}.tool_calls")
+        if role in ("function", "tool"):
+            _check_result(message, raw, messages, where)
+        messages.append(message)
+    if not any(m["role"] == "user" for m in messages):
+        raise invalid("Expecting at least one user message.")
+    return messages
+
+
+def _content(raw: dict, where: str, nullable: bool) -> str:
+    """Text of a message: a string, or an array of text parts (newer OpenAI clients)."""
+    value = raw.get("content")
+    if value is None and nullable:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{where}.content[{j}] must be a text part: {{\"type\": \"text\", \"text\": ...}}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(f"{where}.content must be a string")
+
+
+def _call(value, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise invalid(f"{where} must be an object")
+    name = _string(value, "name", f"{where}.name", required=True)
+    arguments = _string(value, "arguments", f"{where}.arguments")
+    return {"name": name, "arguments": "{}" if arguments is None else arguments}
+
+
+def _tool_calls(value, where: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise invalid(f"{where} must be a non-empty array")
+    calls = []
+    for j, raw in enumerate(value):
+        here = f"{where}[{j}]"
+        if not isinstance(raw, dict):
+            raise invalid(f"{here} must be an object")
+        if raw.get("type", "function") != "function":
+            raise invalid(f"{here}.type must be \"function\"")
+        call_id = _string(raw, "id", f"{here}.id", required=True)
+        calls.append({"id": call_id, "type": "function", "function": _call(raw.get("function"), f"{here}.function")})
+    return calls
+
+
+def _check_result(message: dict, raw: dict, earlier: list[dict], where: str) -> None:
+    """A function or tool result must answer a call the assistant just made."""
+    caller = next((m for m in reversed(earlier) if m["role"] not in ("function", "tool")), None)
+    if caller is None or not (caller.get("function_call") or caller.get("tool_calls")):
+        raise invalid(f"{where}: a {message['role']} message must follow an assistant message that calls a function")
+    if message["role"] == "tool":
+        call_id = _string(raw, "tool_call_id", f"{where}.tool_call_id", required=True)
+        ids = [call["id"] for call in caller.get("tool_calls") or ()]
+        if ids and call_id not in ids:
+            raise invalid(f"{where}.tool_call_id {call_id!r} matches no tool call of the preceding assistant message")
+        message["tool_call_id"] = call_id
+
+
+# ---- functions and tools ----------------------------------------------------------
+
+
+def _functions(data: dict) -> tuple[list[dict], str | None, Choice]:
+    """The offered functions, the reply style, and which call (if any) is forced."""
+    if data.get("functions") is not None and data.get("tools") is not None:
+        raise invalid("give either functions or tools, not both")
+    if data.get("tools") is not None:
+        tools = data["tools"]
+        if not isinstance(tools, list):
+            raise invalid("tools must be an array")
+        functions = []
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+                raise invalid(f"tools[{i}] must be an object with type \"function\"")
+            functions.append(_definition(tool.get("function"), f"tools[{i}].function"))
+        choice = _tool_choice(data.get("tool_choice"), functions)
+        return functions, "tools" if functions else None, choice
+    functions = data.get("functions")
+    if functions is None:
+        functions = []
+    if not isinstance(functions, list):
+        raise invalid("functions must be an array")
+    functions = [_definition(f, f"functions[{i}]") for i, f in enumerate(functions)]
+    choice = _function_call(data.get("function_call"), functions)
+    if data.get("tool_choice") is not None and not functions:
+        choice = _tool_choice(data["tool_choice"], functions)
+    return functions, "functions" if functions else None, choice
+
+
+def _definition(value, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise invalid(f"{where} must be an object")
+    name = _string(value, "name", f"{where}.name", required=True)
+    if not FUNCTION_NAME.match(name):
+        raise invalid(f"{where}.name must be 1-64 letters, digits, underscores or dashes")
+    definition = {"name": name}
+    if (description := _string(value, "description", f"{where}.description")) is not None:
+        definition["description"] = description
+    if value.get("parameters") is not None:
+        definition["parameters"] = _object(value, "parameters", f"{where}.parameters")
+    return definition
+
+
+def _function_call(value, functions: list[dict]) -> Choice:
+    if value is None or value == "auto":
+        return Choice("auto")
+    if value == "none":
+        return Choice("none")
+    if isinstance(value, dict) and isinstance(value.get("name"), str):
+        return _named(value["name"], functions, "function_call.name", "functions")
+    raise invalid('function_call must be "auto", "none" or {"name": ...}')
+
+
+def _tool_choice(value, functions: list[dict]) -> Choice:
+    if value is None or value == "auto":
+        return Choice("auto")
+    if value in ("none", "required"):
+        if value == "required" and not functions:
+            raise invalid('tool_choice "required" needs tools')
+        return Choice(value)
+    if isinstance(value, dict) and isinstance(value.get("function"), dict) and isinstance(value["function"].get("name"), str):
+        return _named(value["function"]["name"], functions, "tool_choice.function.name", "tools")
+    raise invalid('tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}')
+
+
+def _named(name: str, functions: list[dict], where: str, offered_in: str) -> Choice:
+    if name not in {f["name"] for f in functions}:
+        raise invalid(f"{where} {name!r} is not one of the {offered_in} given")
+    return Choice("named", name)
