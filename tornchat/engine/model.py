@@ -3,6 +3,7 @@
 Any forward with this shape plugs in (``Runner``): transformers' own module
 (``HFRunner``, every causal LM) or a lean implementation for one family.
 """
+from copy import deepcopy
 from typing import Any, Protocol
 
 import torch
@@ -21,6 +22,9 @@ class Runner(Protocol):
 
     def truncate(self, cache: Any, length: int) -> None:
         """Keep only the first ``length`` positions of cache."""
+
+    def fork(self, cache: Any, length: int) -> Any:
+        """A new cache holding a copy of the first ``length`` positions of cache."""
 
     def cache_bytes(self, cache: Any) -> int: ...
 
@@ -46,8 +50,14 @@ class HFRunner:
         return out.logits[0, -1].float()
 
     def truncate(self, cache, length: int) -> None:
-        if cache.get_seq_length() > length:
-            cache.crop(length)
+        surplus = cache.get_seq_length() - length
+        if surplus > 0:
+            cache.crop(-surplus)  # transformers 5: a negative count of tokens to drop
+
+    def fork(self, cache, length: int):
+        copy = deepcopy(cache)
+        self.truncate(copy, length)
+        return copy
 
     def cache_bytes(self, cache) -> int:
         total = 0

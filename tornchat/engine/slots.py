@@ -50,21 +50,22 @@ class SlotPool:
             n = common_prefix(slot.tokens, prompt)
             if n > shared or (n == shared and best is not None and slot.last_used > best.last_used):
                 best, shared = slot, n
-        # Cutting a slot that mostly holds another conversation would throw
-        # that conversation away for a small gain; take a fresh slot instead.
-        if best is None or (2 * shared < len(best.tokens) and len(self.slots) < self.max_slots):
-            best, shared = self._fresh_slot(), 0
         shared = min(shared, len(prompt) - 1)
-        self.runner.truncate(best.cache, shared)
-        del best.tokens[shared:]
+        if best is None:
+            best = self._fresh_slot(self.runner.new_cache(), [])
+        elif shared < len(best.tokens):
+            # The slot's tail may be another conversation, or a branch the
+            # client may come back to: copy the shared prefix instead of
+            # cutting it. Least recently used slots make room.
+            best = self._fresh_slot(self.runner.fork(best.cache, shared), best.tokens[:shared])
         best.last_used = next(_clock)
         return best, shared
 
-    def _fresh_slot(self) -> Slot:
+    def _fresh_slot(self, cache, tokens: list[int]) -> Slot:
         if len(self.slots) >= self.max_slots:
             oldest = min(self.slots, key=lambda s: s.last_used)
             self.slots.remove(oldest)
-        slot = Slot(cache=self.runner.new_cache())
+        slot = Slot(cache=cache, tokens=tokens)
         self.slots.append(slot)
         return slot
 

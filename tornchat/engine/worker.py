@@ -93,14 +93,14 @@ class Engine:
         """Blocking iterator over one request's events (tests, benchmarks, scripts)."""
         events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         handle = self.submit(request, events.put)
+        event = Event()
         try:
-            while True:
+            while not event.is_last:
                 event = events.get()
                 yield event
-                if event.is_last:
-                    return
         finally:
-            self.withdraw(handle)
+            if not event.is_last:  # the caller stopped early
+                self.withdraw(handle)
 
     def close(self) -> None:
         with self._wakeup:
@@ -125,6 +125,19 @@ class Engine:
         counters = self.stats.counters
         counters["requests"] += 1
         prefill_before, reused_before = counters["prefill_tokens"], counters["reused_tokens"]
+        finished = False
+
+        def emit(event: Event) -> None:
+            # Counters are settled before the last event leaves, so whoever
+            # receives it reads final numbers.
+            nonlocal finished
+            if event.is_last:
+                finished = True
+                counters["failed" if event.error else "completed"] += 1
+                self.stats.last_prefill_tokens = counters["prefill_tokens"] - prefill_before
+                self.stats.last_reused_tokens = counters["reused_tokens"] - reused_before
+            handle.on_event(event)
+
         try:
             decode.generate(
                 self.runner,
@@ -132,15 +145,12 @@ class Engine:
                 self.tokenizer,
                 self.stop_token_ids,
                 handle.request,
-                handle.on_event,
+                emit,
                 lambda: handle.cancelled,
                 counters,
             )
-            counters["cancelled" if handle.cancelled else "completed"] += 1
+            if not finished:
+                counters["cancelled"] += 1
         except Exception as exc:
-            counters["failed"] += 1
             log.exception("generation failed")
-            handle.on_event(Event(error=exc))
-        finally:
-            self.stats.last_prefill_tokens = counters["prefill_tokens"] - prefill_before
-            self.stats.last_reused_tokens = counters["reused_tokens"] - reused_before
+            emit(Event(error=exc))

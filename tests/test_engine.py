@@ -1,0 +1,251 @@
+"""The decode engine: greedy parity with transformers, KV reuse, stops, limits, seeds, cancel."""
+import threading
+
+import pytest
+import torch
+
+from tornchat import prompt
+from tornchat.engine import GenerationRequest, PromptTooLong, QueueFull, SamplingParams
+from tornchat.engine.slots import SlotPool
+
+from conftest import make_engine
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def chat_ids(tokenizer, messages):
+    return prompt.encode(tokenizer, prompt.render(tokenizer, messages))
+
+
+def run(engine, ids, **kwargs):
+    kwargs.setdefault("sampling", GREEDY)
+    events = list(engine.generate(GenerationRequest(list(ids), **kwargs)))
+    return "".join(e.text for e in events), events[-1]
+
+
+def all_ids(engine, ids, **kwargs):
+    kwargs.setdefault("sampling", GREEDY)
+    out = []
+    for event in engine.generate(GenerationRequest(list(ids), **kwargs)):
+        out.extend(event.token_ids)
+    return out
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers and explain why they are prime.",
+]
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_greedy_equals_transformers_generate(smol, smol_engine, question):
+    tok = smol.tokenizer
+    ids = chat_ids(tok, [{"role": "user", "content": question}])
+    with torch.inference_mode():
+        ref = smol.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0, len(ids) :].tolist()
+    stops = smol_engine.stop_token_ids
+    if ref[-1] in stops:  # generate includes the EOS it stopped on; we report it as finish_reason
+        ref = ref[:-1]
+    text, last = run(smol_engine, ids, max_tokens=40)
+    assert text == tok.decode(ref, skip_special_tokens=True)
+    assert last.usage.completion_tokens == len(ref) + (last.finish_reason == "stop")
+
+
+def conversation(turns):
+    messages = [{"role": "system", "content": "You are a concise assistant."}]
+    for question, answer in turns:
+        messages.append({"role": "user", "content": question})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    return messages
+
+
+def test_second_turn_prefills_only_its_new_suffix_and_matches_a_cold_run(smol):
+    tok = smol.tokenizer
+    warm, cold = make_engine(smol.model, tok), make_engine(smol.model, tok)
+    try:
+        turn1 = chat_ids(tok, conversation([("Name a fruit.", None)]))
+        answer, _ = run(warm, turn1, max_tokens=20)
+        turn2 = chat_ids(tok, conversation([("Name a fruit.", answer), ("And a vegetable?", None)]))
+        text_warm, last = run(warm, turn2, max_tokens=20)
+        shared = len(warm.slots.slots[0].tokens)  # what the slot held is at least turn 1's prompt
+        assert warm.stats.last_reused_tokens >= len(turn1)
+        assert warm.stats.last_prefill_tokens == len(turn2) - warm.stats.last_reused_tokens
+        assert warm.stats.last_prefill_tokens < len(turn2) - len(turn1) + 5
+        assert last.usage.cached_tokens == warm.stats.last_reused_tokens
+        assert shared > len(turn2)
+        text_cold, _ = run(cold, turn2, max_tokens=20)
+        assert cold.stats.last_reused_tokens == 0
+        assert text_warm == text_cold
+    finally:
+        warm.close()
+        cold.close()
+
+
+def test_identical_prompt_still_prefills_its_last_token(tiny_engine, tokenizer):
+    ids = chat_ids(tokenizer, conversation([("hello", None)]))
+    first = all_ids(tiny_engine, ids, max_tokens=5)
+    second = all_ids(tiny_engine, ids, max_tokens=5)
+    assert tiny_engine.stats.last_prefill_tokens == 1
+    assert first == second
+
+
+def test_edited_earlier_message_reuses_only_the_common_prefix(tiny_model, tokenizer):
+    warm, cold = make_engine(tiny_model, tokenizer), make_engine(tiny_model, tokenizer)
+    try:
+        original = chat_ids(tokenizer, conversation([("The first question, long enough to matter.", "ok"), ("second", None)]))
+        edited = chat_ids(tokenizer, conversation([("The first question, edited a little.", "ok"), ("second", None)]))
+        shared = next(i for i, (a, b) in enumerate(zip(original, edited)) if a != b)
+        all_ids(warm, original, max_tokens=8)
+        got = all_ids(warm, edited, max_tokens=8)
+        assert warm.stats.last_reused_tokens == shared
+        assert warm.stats.last_prefill_tokens == len(edited) - shared
+        assert got == all_ids(cold, edited, max_tokens=8)
+    finally:
+        warm.close()
+        cold.close()
+
+
+def test_slots_are_bounded_by_count_and_evict_least_recently_used(tiny_model, tokenizer):
+    engine = make_engine(tiny_model, tokenizer, kv_slots=2)
+    try:
+        convs = [chat_ids(tokenizer, [{"role": "user", "content": f"conversation {name} " * 5}]) for name in "abc"]
+        for ids in convs:
+            all_ids(engine, ids, max_tokens=3)
+        assert len(engine.slots.slots) == 2
+        all_ids(engine, convs[0], max_tokens=3)  # a was evicted: full prefill (apart from shared template)
+        assert engine.stats.last_reused_tokens < len(convs[0]) - 5
+        all_ids(engine, convs[2], max_tokens=3)  # c is still there
+        assert engine.stats.last_prefill_tokens == 1
+    finally:
+        engine.close()
+
+
+def test_slots_are_bounded_by_memory(tiny_model, tokenizer):
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "9 memory " * 40}])
+    probe = make_engine(tiny_model, tokenizer)
+    all_ids(probe, ids, max_tokens=2)
+    one_slot = probe.slots.total_bytes()
+    probe.close()
+    engine = make_engine(tiny_model, tokenizer, kv_slots=8, kv_bytes=int(one_slot * 1.5))
+    try:
+        for n in range(4):
+            all_ids(engine, chat_ids(tokenizer, [{"role": "user", "content": f"{n} memory " * 40}]), max_tokens=2)
+            assert engine.slots.total_bytes() <= int(one_slot * 1.5)
+        assert len(engine.slots.slots) == 1
+    finally:
+        engine.close()
+
+
+def test_stop_string_spanning_tokens_stops_and_is_not_returned(smol, smol_engine):
+    tok = smol.tokenizer
+    ids = chat_ids(tok, [{"role": "user", "content": "Write a haiku about the sea."}])
+    full, _ = run(smol_engine, ids, max_tokens=40)
+    # A stop string that starts inside one token and ends inside another.
+    gen_ids = tok(full, add_special_tokens=False)["input_ids"]
+    pieces = [tok.decode([i]) for i in gen_ids]
+    cut = len(pieces[0]) + len(pieces[1]) - 1
+    stop = full[cut : cut + 4]
+    assert len(stop) == 4
+    text, last = run(smol_engine, ids, max_tokens=40, stop=(stop,))
+    assert last.finish_reason == "stop"
+    assert text == full[: full.index(stop)]
+    assert stop not in text
+
+
+def test_max_tokens_and_max_length_tighter_bound_wins(tiny_engine, tokenizer):
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "count"}])
+    _, last = run(tiny_engine, ids, max_tokens=1)
+    assert (last.finish_reason, last.usage.completion_tokens) == ("length", 1)
+    _, last = run(tiny_engine, ids, max_tokens=10, max_length=len(ids) + 3)
+    assert (last.finish_reason, last.usage.completion_tokens) == ("length", 3)
+    _, last = run(tiny_engine, ids, max_tokens=2, max_length=len(ids) + 30)
+    assert last.usage.completion_tokens == 2
+    assert last.usage.total_tokens == len(ids) + 2
+
+
+@pytest.mark.parametrize("max_length", [1, "prompt", "prompt-1"])
+def test_prompt_filling_max_length_or_context_is_rejected(tiny_engine, tokenizer, max_length):
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "too long"}])
+    limit = {1: 1, "prompt": len(ids), "prompt-1": len(ids) - 1}[max_length]
+    with pytest.raises(PromptTooLong):
+        tiny_engine.submit(GenerationRequest(ids, max_length=limit), lambda e: None)
+    with pytest.raises(PromptTooLong):
+        tiny_engine.submit(GenerationRequest([1] * tiny_engine.context_length), lambda e: None)
+
+
+def test_seed_reproduces_sampling_and_other_seeds_differ(smol_engine, tokenizer):
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "Tell me a very short story."}])
+    sampled = lambda seed: run(smol_engine, ids, max_tokens=24, sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=seed))[0]
+    assert sampled(7) == sampled(7)
+    assert len({sampled(7), sampled(8), sampled(9)}) > 1
+
+
+def test_cancel_mid_generation_stops_within_one_step(tiny_model, tokenizer):
+    engine = make_engine(tiny_model, tokenizer)
+    try:
+        ids = chat_ids(tokenizer, [{"role": "user", "content": "go"}])
+        first = threading.Event()
+        events = []
+
+        def on_event(event):
+            events.append(event)
+            first.set()
+            # Hold the worker inside this step until the cancel has landed.
+            if len(events) == 1:
+                handle.cancel()
+
+        handle = engine.submit(GenerationRequest(ids, sampling=GREEDY, max_tokens=400, stop=()), on_event)
+        assert first.wait(30)
+        engine.submit(GenerationRequest(ids, max_tokens=1), lambda e: None)  # runs once the worker is free
+        deadline = threading.Event()
+        while engine.stats.counters["requests"] < 2 and not deadline.wait(0.05):
+            pass
+        assert engine.stats.counters["cancelled"] == 1
+        assert not any(e.is_last for e in events)
+        assert engine.stats.counters["decode_steps"] <= len(events) + 1
+    finally:
+        engine.close()
+
+
+def test_queued_request_can_be_withdrawn_and_queue_is_bounded(tiny_model, tokenizer):
+    engine = make_engine(tiny_model, tokenizer, max_queue=1)
+    try:
+        gate = threading.Event()
+        ids = chat_ids(tokenizer, [{"role": "user", "content": "go"}])
+        engine.submit(GenerationRequest(ids, max_tokens=2), lambda e: gate.wait(30))  # occupies the worker
+        while engine.queue_depth():
+            pass
+        queued = engine.submit(GenerationRequest(ids, max_tokens=2), lambda e: None)
+        with pytest.raises(QueueFull):
+            engine.submit(GenerationRequest(ids, max_tokens=2), lambda e: None)
+        engine.withdraw(queued)
+        assert engine.queue_depth() == 0
+        assert engine.stats.counters["cancelled"] == 1
+        gate.set()
+    finally:
+        engine.close()
+
+
+def test_model_failure_reports_error_event_and_engine_recovers(tiny_model, tokenizer):
+    engine = make_engine(tiny_model, tokenizer)
+    try:
+        ids = chat_ids(tokenizer, [{"role": "user", "content": "fail"}])
+        real_forward = engine.runner.forward
+        engine.runner.forward = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
+        events = list(engine.generate(GenerationRequest(ids, max_tokens=3)))
+        assert isinstance(events[-1].error, RuntimeError)
+        assert engine.slots.slots == []  # the half-written slot was dropped
+        engine.runner.forward = real_forward
+        _, last = run(engine, ids, max_tokens=3)
+        assert last.finish_reason == "length"
+    finally:
+        engine.close()
+
+
+def test_slot_pool_rejects_zero_slots(tiny_model):
+    from tornchat.engine.model import HFRunner
+
+    with pytest.raises(ValueError):
+        SlotPool(HFRunner(tiny_model), 0, 1 << 20)

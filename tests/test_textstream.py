@@ -1,0 +1,57 @@
+"""Incremental detokenization and stop-string hold-back, on SmolLM2's real tokenizer."""
+import pytest
+
+from tornchat.engine.textstream import Detokenizer, StopMatcher
+
+
+@pytest.mark.parametrize("text", ["你好，世界！这是一个测试。", "emoji 🙂👍🏽 and 🇫🇷 flags", "naïve café — ünïcödé", "  spaces   kept\nand\tnewlines"])
+def test_detokenizer_streams_exact_text_without_broken_characters(tokenizer, text):
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    detok = Detokenizer(tokenizer)
+    pieces = [detok.push(i) for i in ids]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_detokenizer_holds_partial_utf8_until_complete(tokenizer):
+    ids = tokenizer("🙂", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 1  # byte-level BPE splits the emoji
+    detok = Detokenizer(tokenizer)
+    assert [detok.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.push(ids[-1]) == "🙂"
+
+
+def feed(matcher, pieces):
+    out, hit = [], False
+    for piece in pieces:
+        text, hit = matcher.push(piece)
+        out.append(text)
+        if hit:
+            break
+    return out, hit
+
+
+def test_stop_string_split_across_pieces_is_never_emitted():
+    out, hit = feed(StopMatcher(("STOP",)), ["hello S", "T", "OP and more"])
+    assert hit
+    assert "".join(out) == "hello "
+    assert out == ["hello ", "", ""]
+
+
+def test_hold_back_only_what_could_start_a_stop_string():
+    matcher = StopMatcher(("\n\nUser:",))
+    assert matcher.push("abc\n") == ("abc", False)  # "\n" may begin the stop string
+    assert matcher.push("x") == ("\nx", False)  # no longer can: released at once
+    assert matcher.push("plain") == ("plain", False)
+
+
+def test_earliest_of_several_stop_strings_wins_and_flush_releases_held_text():
+    out, hit = feed(StopMatcher(("world", "lo w")), ["hello world"])
+    assert hit and "".join(out) == "hel"
+    matcher = StopMatcher(("xyz",))
+    assert matcher.push("abcx") == ("abc", False)
+    assert matcher.flush() == "x"
+
+
+def test_empty_stop_strings_are_ignored():
+    assert StopMatcher(("",)).push("text") == ("text", False)
