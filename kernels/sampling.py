@@ -5,7 +5,8 @@ Semantics, per row of ``logits [B, V]``:
 1. NaN logits count as -inf, and +inf (like any value above it) as
    LOGIT_CAP, so no non-finite value can produce an out-of-range id or a NaN
    probability. A row with no finite logit at all yields token 0.
-2. Greedy rows (temperature < GREEDY_TEMPERATURE, or top_k == 1) take the
+2. Greedy rows (temperature < GREEDY_TEMPERATURE compared in fp32, so 0.01
+   itself samples; or top_k == 1) take the
    argmax; on ties, the lowest id.
 3. Otherwise z = logits / temperature. top-k (1 < top_k < V) keeps every
    token whose z is >= the k-th largest z (ties at the k-th value are kept).
@@ -19,6 +20,8 @@ Also returned: the chosen token's log-probability under log_softmax(z)
 (z = raw logits for greedy rows), before top-k/top-p truncation.
 """
 import torch
+
+from tornchat.kernels.dispatch import triton_module, use_triton
 
 GREEDY_TEMPERATURE = 0.01
 # Far above any real logit, yet LOGIT_CAP / GREEDY_TEMPERATURE stays finite in fp32.
@@ -77,17 +80,19 @@ def sample_reference(
     logprobs = torch.zeros(batch, dtype=torch.float32, device=logits.device)
     for row in range(batch):
         row_logits = logits[row]
-        t, k, p = float(temperature[row]), int(top_k[row]), float(top_p[row])
+        # t stays an fp32 tensor: compared in fp32, the fp32 value of 0.01 is not
+        # below GREEDY_TEMPERATURE (as a Python float it would be), as in the kernel.
+        t, k, p = temperature[row].float(), int(top_k[row]), float(top_p[row])
         if not torch.isfinite(row_logits).any():
             ids[row] = 0
             logprobs[row] = float("-inf")
             continue
-        if t < GREEDY_TEMPERATURE or k == 1:
+        if bool(t < GREEDY_TEMPERATURE) or k == 1:
             token = int(torch.argmax(row_logits))
             ids[row] = token
             logprobs[row] = torch.log_softmax(row_logits, dim=-1)[token]
             continue
-        z = row_logits / t
+        z = row_logits / t.to(row_logits.device)
         keep = truncation_mask(z, k, p)
         probs = torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
         # Exponential race (Gumbel-max in disguise): argmax p_i / E_i with
@@ -107,5 +112,12 @@ def sample(
     seed: torch.Tensor,
     step: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's one entry point: same contract as ``sample_reference``."""
+    """The engine's one entry point: same contract as ``sample_reference``.
+
+    CUDA tensors (or any, with TORNCHAT_TRITON_INTERPRET=1) go to the Triton
+    kernel, whose Philox stream differs from the reference's generator: a
+    seed reproduces its tokens on the same kind of device only.
+    """
+    if use_triton(logits):
+        return triton_module("triton_sampling").sample_triton(logits, temperature, top_k, top_p, seed, step)
     return sample_reference(logits, temperature, top_k, top_p, seed, step)
