@@ -21,6 +21,8 @@ Also returned: the chosen token's log-probability under log_softmax(z)
 """
 import torch
 
+from tornchat.kernels import dispatch
+
 from tornchat.kernels.dispatch import triton_module, use_triton
 
 GREEDY_TEMPERATURE = 0.01
