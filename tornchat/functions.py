@@ -115,10 +115,11 @@ def _react_plan(tokenizer, messages: list[dict], functions: list[dict], choice: 
     stops = (OBSERVATION,)
     if choice.mode == "named" and functions:
         return Plan(f"{text}{ACTION} {choice.name}\n{ACTION_INPUT}", stops, ReActParser("arguments", choice.name))
+    names = tuple(f["name"] for f in functions)
     if choice.mode == "required" and functions:
-        return Plan(text + ACTION, stops, ReActParser("name"))
+        return Plan(text + ACTION, stops, ReActParser("name", names=names))
     if functions or open_turn:
-        return Plan(text + THOUGHT, stops, ReActParser("thought", calls=bool(functions)))
+        return Plan(text + THOUGHT, stops, ReActParser("thought", names=names))
     return Plan(text, (), None)
 
 
@@ -224,25 +225,27 @@ class ReActParser:
     Labels count only at the start of a line. Thought lines are hidden; the
     text after ``Final Answer:`` is content; ``Action:`` names the call and
     ``Action Input:`` starts its arguments, which end where their JSON value
-    ends (anything after is ignored). A model that ignores the format and
-    writes only "thoughts" gets that text back as content at the end.
+    ends (anything after is ignored). An Action naming a function that was
+    not offered is no call. A reply with neither a call nor a final answer
+    (the model ignored the format) is returned whole as content at the end.
     """
 
-    def __init__(self, section: str = "thought", name: str | None = None, calls: bool = True):
+    def __init__(self, section: str = "thought", name: str | None = None, names: tuple[str, ...] = ()):
         self.section = section  # thought | final | name | arguments | done
-        self.calls = calls  # False: no functions were offered, so "Action:" is just more thought
+        self.names = names  # the functions offered; an Action naming another is not a call
         self.name = name
         self.name_text = ""
         self.announced = False  # the name piece has gone out
         self.pending = ""  # text at a line start that may still become a label
         self.line_start = False  # the prompt ends mid-line, right after a label
-        self.thought = ""
+        self.raw = ""  # all generated text: the reply when the model ignored the format
         self.content_sent = False
         self.tail = _Tail()
         self.value = _ValueEnd()
 
     def push(self, text: str) -> list[Piece]:
         pieces = [self._announce()] if self.section == "arguments" and not self.announced else []
+        self.raw += text
         self.pending += text
         while self.pending and self.section != "done":
             if self.line_start and self._labels_count():
@@ -264,14 +267,14 @@ class ReActParser:
         self.line_start = False  # what is pending can no longer become a label
         pieces = self.push("")
         if self.section == "name" and self.name is None:
-            self.name = self.name_text.strip() or None
+            self._end_name()
         if self.name is not None:
             if not self.announced:
                 pieces.append(self._announce())
             if not self.value.started:
                 pieces.append(Piece("arguments", "{}"))
-        elif not self.content_sent and self.thought.strip():
-            pieces.append(Piece("content", self.thought.strip()))
+        elif not self.content_sent and self.raw.strip():
+            pieces.append(Piece("content", self.raw.strip()))
         return pieces
 
     def _labels_count(self) -> bool:
@@ -279,7 +282,7 @@ class ReActParser:
 
     def _enter(self, label: str) -> list[Piece]:
         if self.section == "thought":
-            self.section = {FINAL_ANSWER: "final", ACTION: "name" if self.calls else "thought"}.get(label, "thought")
+            self.section = {FINAL_ANSWER: "final", ACTION: "name" if self.names else "thought"}.get(label, "thought")
             return []
         if self.section == "name" and self.name is not None and label == ACTION_INPUT:
             self.section = "arguments"
@@ -288,14 +291,10 @@ class ReActParser:
         return []
 
     def _text(self, line: str) -> list[Piece]:
-        if self.section == "thought":
-            self.thought += line
-        elif self.section == "name":
+        if self.section == "name":
             self.name_text += line
             if line.endswith("\n"):
-                self.name = self.name_text.strip() or None
-                if self.name is None:
-                    self.section = "thought"
+                self._end_name()
         elif self.section == "final":
             if shown := self.tail.push(line):
                 self.content_sent = True
@@ -306,6 +305,12 @@ class ReActParser:
                 line, self.section = line[:end], "done"
             return [Piece("arguments", self.tail.push(line))]
         return []
+
+    def _end_name(self) -> None:
+        name = self.name_text.strip()
+        self.name = name if name in self.names else None
+        if self.name is None:
+            self.section = "thought"
 
     def _announce(self) -> Piece:
         self.announced = True
