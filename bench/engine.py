@@ -1,0 +1,151 @@
+"""Engine numbers for issue 2, all in one process and one run (2 threads).
+
+1. Decode tokens/s: our loop vs transformers `generate`, greedy, same model.
+2. Time to first token for each turn of a chat growing to ~2,000 tokens:
+   with KV reuse vs the same engine with its slots emptied before each turn.
+3. Start-up time of `tornchat serve`: first start (GGUF conversion into an
+   empty cache) and second start (from the cache).
+
+    python bench/engine.py [--quick] [--skip-startup]
+"""
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import workloads  # noqa: E402
+
+from tornchat import checkpoint, prompt  # noqa: E402
+from tornchat.config import Config  # noqa: E402
+from tornchat.engine import GenerationRequest, SamplingParams  # noqa: E402
+from tornchat.engine import Engine  # noqa: E402
+from tornchat.engine.build import build_engine  # noqa: E402
+from tornchat.engine.slots import SlotPool  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def timed_generation(engine, ids, max_tokens):
+    """(seconds to first text, decode tokens/s after it, reply text)."""
+    start = time.perf_counter()
+    first, text, last = None, [], None
+    for event in engine.generate(GenerationRequest(ids, GREEDY, max_tokens=max_tokens)):
+        if first is None and event.text:
+            first = time.perf_counter()
+        text.append(event.text)
+        last = event
+    end = time.perf_counter()
+    tokens = last.usage.completion_tokens
+    return first - start, (tokens - 1) / (end - first), "".join(text)
+
+
+def generate_rate(model, ids, max_tokens):
+    """transformers generate's decode tokens/s: (N-1 tokens) / (time for N - time for 1)."""
+    input_ids = torch.tensor([ids])
+
+    def run(n):
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - start
+
+    run(2)  # warm-up
+    return (max_tokens - 1) / (run(max_tokens) - run(1))
+
+
+def decode_speed(engine, model, tokenizer, max_tokens):
+    ids = prompt.encode(tokenizer, prompt.render(tokenizer, workloads.short_messages()))
+    timed_generation(engine, ids, 4)  # warm-up
+    _, ours, _ = timed_generation(engine, ids, max_tokens)
+    theirs = generate_rate(model, ids, max_tokens)
+    print(f"decode: tornchat {ours:.1f} tok/s, transformers generate {theirs:.1f} tok/s", flush=True)
+    return {"tornchat_tokens_per_s": ours, "generate_tokens_per_s": theirs, "ratio": ours / theirs}
+
+
+def chat_ttft(engine, tokenizer, workload):
+    """TTFT per turn: the engine as configured vs a twin whose one slot is emptied before each turn."""
+    cold = Engine(engine.runner, tokenizer, engine.stop_token_ids, SlotPool(engine.runner, 1, engine.slots.max_bytes))
+    messages = [{"role": "system", "content": workloads.SYSTEM}]
+    rows = []
+    for turn, user in enumerate(workloads.chat_user_messages(workload, tokenizer), start=1):
+        messages.append({"role": "user", "content": user})
+        ids = prompt.encode(tokenizer, prompt.render(tokenizer, messages))
+        cold.slots.slots.clear()
+        no_reuse, _, _ = timed_generation(cold, ids, 1)
+        reuse, _, reply = timed_generation(engine, ids, workload.turn_max_tokens)
+        reused = engine.stats.last_reused_tokens
+        messages.append({"role": "assistant", "content": reply})
+        rows.append({"turn": turn, "prompt_tokens": len(ids), "reused_tokens": reused, "ttft_reuse_s": reuse,
+                     "ttft_no_reuse_s": no_reuse, "speedup": no_reuse / reuse})
+        print(f"turn {turn}: {len(ids)} prompt tokens, {reused} reused, TTFT {reuse:.3f} s with reuse vs "
+              f"{no_reuse:.3f} s without ({no_reuse / reuse:.1f}x)", flush=True)
+    cold.close()
+    return rows
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def startup_seconds(cache_dir: str) -> float:
+    port = free_port()
+    env = dict(os.environ, TORNCHAT_CACHE=cache_dir)
+    start = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "-m", "tornchat", "serve", "--port", str(port), "--threads", "2"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError("tornchat serve exited during start-up")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                return time.perf_counter() - start
+            except OSError:
+                time.sleep(0.1)
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter chat and fewer tokens")
+    parser.add_argument("--skip-startup", action="store_true", help="do not time server start-up")
+    args = parser.parse_args()
+    workload = workloads.QUICK if args.quick else workloads.FULL
+    engine = build_engine(Config(threads=2, kv_slots=4))
+    tokenizer = engine.tokenizer
+    reference = checkpoint.load(None).model  # transformers' own module, whatever runner the engine uses
+    result = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": torch.get_num_threads()},
+        "decode": decode_speed(engine, reference, tokenizer, workload.short_max_tokens),
+        "chat": chat_ttft(engine, tokenizer, workload),
+    }
+    engine.close()
+    if not args.skip_startup:
+        with tempfile.TemporaryDirectory() as cache:
+            first = startup_seconds(cache)
+            second = startup_seconds(cache)
+        result["startup"] = {"first_s": first, "second_s": second}
+        print(f"start-up: first {first:.1f} s (converts the GGUF), second {second:.1f} s", flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
