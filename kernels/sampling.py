@@ -32,7 +32,8 @@ LOGIT_CAP = 1e30
 
 def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
     """fp32 copy with NaN -> -inf and values above LOGIT_CAP (+inf too) -> LOGIT_CAP."""
-    logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=LOGIT_CAP)
+    # neginf must be given: by default nan_to_num turns -inf into the lowest finite float.
+    logits = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=LOGIT_CAP, neginf=float("-inf"))
     return logits.clamp(max=LOGIT_CAP)
 
 

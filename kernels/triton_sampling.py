@@ -241,7 +241,7 @@ def _finish_kernel(
     no_finite = m == float("-inf")
     safe_m = tl.where(no_finite, 0.0, m)
     # The max term contributes exp(0) = 1, so only rows without a finite logit sum below 1.
-    lse = safe_m + tl.log(tl.maximum(tl.sum(bsum * tl.exp(bmax - safe_m[:, None]), axis=1), 1.0))
+    log_total = tl.log(tl.maximum(tl.sum(bsum * tl.exp(bmax - safe_m[:, None]), axis=1), 1.0))
     # Lowest block holding the max, then its lowest id: argmax with the lowest id on ties.
     top_block = tl.argmax(bmax, axis=1, tie_break_left=True)
     argmax_id = tl.sum(tl.where(blocks[None, :] == top_block[:, None], barg, 0), axis=1)
@@ -252,9 +252,10 @@ def _finish_kernel(
     token = tl.where(no_finite, 0, token)
 
     x = tl.load(logits_ptr + rows.to(tl.int64) * stride + token, mask=row_ok, other=0.0)
+    # (z - max) first, as log_softmax does: capped logits would swallow log_total.
     z = _sanitize_scale(x, t, greedy)
     tl.store(ids_ptr + rows, token, mask=row_ok)
-    tl.store(logprobs_ptr + rows, tl.where(no_finite, float("-inf"), z - lse), mask=row_ok)
+    tl.store(logprobs_ptr + rows, tl.where(no_finite, float("-inf"), (z - safe_m) - log_total), mask=row_ok)
 
 
 def _num_warps(elements: int) -> int:
