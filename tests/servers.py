@@ -6,6 +6,7 @@ Used by the server tests and benchmarks::
         client = openai.OpenAI(base_url=server.api_url, api_key="k")
         server.health()["engine"]["cancelled"]
 """
+import http.client
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 
 @dataclass
@@ -43,6 +45,42 @@ class Server:
     def log(self) -> str:
         """Everything the server wrote to stdout and stderr so far."""
         return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: http.client.HTTPMessage
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+
+def connect(url: str, timeout: float = 600) -> http.client.HTTPConnection:
+    parts = urlsplit(url)
+    return http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+
+
+def request(url: str, method: str, path: str, body=None, headers: dict | None = None) -> Reply:
+    """One raw HTTP exchange; a dict body is sent as JSON."""
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    conn = connect(url)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return Reply(response.status, response.headers, response.read())
+    finally:
+        conn.close()
+
+
+def sse_data(response: http.client.HTTPResponse) -> Iterator[str]:
+    """The data of each SSE record, as the server framed it (one data line, then a blank line)."""
+    while line := response.readline():
+        assert line.startswith(b"data: ") and line.endswith(b"\n"), line
+        assert response.readline() == b"\n", "records are separated by a blank line"
+        yield line[len(b"data: ") : -1].decode()
 
 
 def free_port() -> int:
