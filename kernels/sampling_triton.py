@@ -270,8 +270,12 @@ def sample_draws(
     seed: torch.Tensor,
     step: int,
     draws: int = 1,
+    block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw `draws` tokens per row, draw d keyed by step + d. Returns ([B, draws] int64, [B, draws] fp32).
+
+    ``block`` (a power of two) overrides the tokens per program, so that the
+    cross-block reductions can be tested on small vocabularies.
 
     Draw d is exactly what ``sample`` returns at step + d for the same
     logits, so many draws in one launch test the distribution cheaply.
@@ -285,12 +289,12 @@ def sample_draws(
     top_k = top_k.to(device=device, dtype=torch.int64)
     top_p = top_p.to(device=device, dtype=torch.float32)
     seed = seed.to(device=device, dtype=torch.int64)
+    if block is None:
+        # The interpreter pays per call, not per element: one program per row there.
+        block = triton.next_power_of_2(vocab) if INTERPRETING else min(MAX_BLOCK, triton.next_power_of_2(vocab))
     if INTERPRETING:
-        # One program per row and wide tiles: the interpreter pays per call, not per element.
-        block = triton.next_power_of_2(vocab)
         sub, draw_block = min(block, 4096), min(triton.next_power_of_2(draws), max(1, (1 << 18) // block))
     else:
-        block = min(MAX_BLOCK, triton.next_power_of_2(vocab))
         sub, draw_block = min(block, 32), 1
     grid = (batch, triton.cdiv(vocab, block))
     ws = torch.zeros(batch, COL_DRAWS.value + draws, dtype=torch.int64, device=device)

@@ -1,0 +1,173 @@
+"""The Triton sampler (through Triton's interpreter on the CPU) against the PyTorch reference."""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the interpreter is chosen at @triton.jit
+
+import pytest
+import torch
+
+from tornchat.kernels import sample
+from tornchat.kernels import sampling_triton as kernel
+from tornchat.kernels.sampling import LOGIT_CAP, sample_reference, sanitize_logits, truncation_mask
+
+
+def params(rows, temperature=1.0, top_k=0, top_p=1.0, seed=0):
+    full = lambda value, dtype: torch.full((rows,), value, dtype=dtype)  # noqa: E731
+    return full(temperature, torch.float32), full(top_k, torch.int64), full(top_p, torch.float32), full(seed, torch.int64)
+
+
+def keep_probs(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The reference's distribution after truncation: softmax(z) renormalised over its keep set."""
+    keep = truncation_mask(z, top_k, top_p)
+    return torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def awkward_rows(vocab: int) -> torch.Tensor:
+    """NaN, +/-inf, a lone finite value, no finite value, ties: one row each."""
+    gen = torch.Generator().manual_seed(1)
+    rows = torch.randn(6, vocab, generator=gen) * 3
+    rows[0, ::7] = float("nan")
+    rows[1, 3] = float("inf")
+    rows[1, 9] = float("inf")  # two +inf: capped to equal values, the lower id wins
+    rows[2] = float("-inf")
+    rows[2, vocab - 1] = 0.5
+    rows[3] = float("-inf")
+    rows[4] = torch.randint(0, 4, (vocab,), generator=gen).float()  # heavy ties everywhere
+    rows[5, : vocab // 2] = float("-inf")
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_rows_take_the_reference_argmax(dtype):
+    logits = awkward_rows(300).to(dtype)
+    rows = logits.shape[0]
+    # temperature < 0.01, or top_k == 1 at any temperature, is greedy.
+    configs = [(0.0, 0), (0.0099, 50), (1.5, 1)] if dtype == torch.float32 else [(0.0, 0)]
+    for temperature, top_k in configs:
+        t, k, p, s = params(rows, temperature, top_k, 0.5, seed=3)
+        ids, logprobs = kernel.sample(logits, t, k, p, s, step=0)
+        ref_ids, ref_logprobs = sample_reference(logits, t, k, p, s, step=0)
+        assert ids.dtype == torch.int64 and logprobs.dtype == torch.float32
+        assert ids.tolist() == ref_ids.tolist()
+        torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)
+    assert ids[1] == 3 and ids[2] == 299 and ids[3] == 0 and logprobs[3] == float("-inf")
+
+
+# temperature, top_k, top_p of one row each, over a vocabulary of 1000.
+CASES = [
+    (1.0, 50, 1.0),
+    (0.7, 0, 0.9),
+    (1.3, 40, 0.8),
+    (0.01, 0, 0.95),  # exactly the greedy threshold: sampled, and sharp
+    (1.0, 1000, 0.5),  # top_k >= V: no top-k
+    (2.0, 0, 1.0),  # nothing truncated
+    (1.0, 5, 0.0),  # top_p 0: the most probable token (and its ties) only
+    (1.0, 20, 0.99),  # ties straddling the k-th value
+]
+
+
+def test_sampled_tokens_lie_in_the_reference_keep_set():
+    vocab = 1000
+    logits = torch.cat([torch.randn(len(CASES), vocab, generator=torch.Generator().manual_seed(5)) * 4, awkward_rows(vocab)])
+    logits[len(CASES) - 1, :30] = logits[len(CASES) - 1].max()
+    cases = CASES + [(1.0, 3, 0.9)] * (logits.shape[0] - len(CASES))
+    t, k, p = (torch.tensor(column) for column in zip(*cases))
+    seed = torch.arange(len(cases)) * 7919
+    # block=512 splits the vocabulary across programs, as on a GPU.
+    ids, logprobs = kernel.sample_draws(logits, t, k, p, seed, step=5, draws=64, block=512)
+    assert ((ids >= 0) & (ids < vocab)).all()
+    clean = sanitize_logits(logits)
+    for row, (temperature, top_k, top_p) in enumerate(cases):
+        if not torch.isfinite(clean[row]).any():
+            assert (ids[row] == 0).all() and (logprobs[row] == float("-inf")).all()
+            continue
+        z = clean[row] / temperature
+        keep = truncation_mask(z, top_k, top_p)
+        assert keep[ids[row]].all(), (row, ids[row][~keep[ids[row]]])
+        torch.testing.assert_close(logprobs[row], torch.log_softmax(z, -1)[ids[row]], rtol=1e-4, atol=1e-4)
+    assert ids[len(CASES) - 1].unique().numel() > 1  # the tied top 30 are all candidates
+
+
+def test_cross_block_search_matches_one_block():
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(7)) * 2
+    t, k, p, s = params(2, 0.9, 100, 0.7, seed=11)
+    split = kernel.sample_draws(logits, t, k, p, s, step=0, draws=16, block=256)
+    whole = kernel.sample_draws(logits, t, k, p, s, step=0, draws=16)
+    assert torch.equal(split[0], whole[0])
+
+
+@pytest.mark.parametrize("vocab,temperature,top_k,top_p", [(64, 1.0, 20, 0.95), (300, 0.8, 0, 0.9)])
+def test_distribution_matches_the_reference_probabilities(vocab, temperature, top_k, top_p):
+    draws = 20_000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(vocab)) * 2
+    t, k, p, s = params(1, temperature, top_k, top_p, seed=1234)
+    ids, _ = kernel.sample_draws(logits, t, k, p, s, step=0, draws=draws)
+    expected = keep_probs(logits[0] / temperature, top_k, top_p)
+    observed = torch.bincount(ids[0], minlength=vocab).double() / draws
+    # Total variation of 20,000 draws over <= 64 kept tokens is ~0.02 (fixed seed: deterministic).
+    assert 0.5 * (observed - expected.double()).abs().sum() < 0.035
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens():
+    logits = torch.randn(1, 800, generator=torch.Generator().manual_seed(3)).expand(2, 800)
+    t, k, p, _ = params(2, 1.0, 0, 0.95)
+    seeds = torch.tensor([5, 5])
+    a, _ = kernel.sample_draws(logits, t, k, p, seeds, step=10, draws=32)
+    b, _ = kernel.sample_draws(logits, t, k, p, seeds, step=10, draws=32)
+    c, _ = kernel.sample_draws(logits, t, k, p, torch.tensor([6, 6]), step=10, draws=32)
+    assert torch.equal(a, b) and torch.equal(a[0], a[1])
+    assert (a != c).float().mean() > 0.5
+    # Draw d of a launch at step s is the token of step s + d.
+    one, _ = kernel.sample(logits, t, k, p, seeds, step=13)
+    assert torch.equal(one, a[:, 3])
+
+
+def test_dispatch_interprets_cpu_tensors_on_request(monkeypatch):
+    logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(4))
+    t, k, p, s = params(2, 1.0, 10, 0.9, seed=8)
+    reference = sample_reference(logits, t, k, p, s, 2)[0]
+    monkeypatch.setenv("TORNCHAT_TRITON_INTERPRET", "1")
+    interpreted = torch.stack([sample(logits, t, k, p, s, step)[0] for step in range(2, 6)], dim=1)
+    assert torch.equal(interpreted, torch.stack([sample(logits, t, k, p, s, step)[0] for step in range(2, 6)], dim=1))
+    assert not torch.equal(interpreted, torch.stack([sample_reference(logits, t, k, p, s, st)[0] for st in range(2, 6)], 1))
+    for row in range(2):
+        assert truncation_mask(logits[row], 10, 0.9)[interpreted[row]].all()
+    monkeypatch.delenv("TORNCHAT_TRITON_INTERPRET")
+    assert torch.equal(sample(logits, t, k, p, s, 2)[0], reference)
+
+
+# The reference itself: it defines the semantics, so it gets its own checks.
+
+
+def test_reference_distribution_matches_truncated_softmax():
+    vocab, rows = 50, 20_000
+    logits = (torch.randn(1, vocab, generator=torch.Generator().manual_seed(9)) * 2).expand(rows, vocab)
+    t, k, p, _ = params(rows, 0.9, 15, 0.9)
+    ids, _ = sample_reference(logits, t, k, p, torch.arange(rows), step=0)
+    observed = torch.bincount(ids, minlength=vocab).double() / rows
+    expected = keep_probs(logits[0] / 0.9, 15, 0.9).double()
+    assert observed[expected == 0].sum() == 0
+    assert 0.5 * (observed - expected).abs().sum() < 0.03
+
+
+def test_reference_truncation_keeps_ties_and_at_least_one_token():
+    z = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0, float("-inf")])
+    assert truncation_mask(z, 2, 1.0).tolist() == [True, True, True, True, False, False]  # ties at k-th kept
+    assert truncation_mask(z, 0, 0.0).tolist() == [True, False, False, False, False, False]
+    assert truncation_mask(z, 10, 1.0).tolist() == [True] * 5 + [False]  # top_k >= V: off; -inf never
+    probs = torch.softmax(z, -1)
+    # top_p just above the max's mass needs the next tokens, all three of them (tied).
+    assert truncation_mask(z, 0, float(probs[0]) + 1e-3).sum() == 4
+
+
+def test_reference_never_returns_an_out_of_range_id():
+    logits = awkward_rows(40)
+    logits[0, :] = float("nan")
+    rows = logits.shape[0]
+    t, k, p, s = params(rows, 1.0, 3, 0.9)
+    ids, logprobs = sample_reference(logits, t, k, p, s, step=1)
+    assert ((ids >= 0) & (ids < 40)).all()
+    assert ids[0] == 0 and logprobs[0] == float("-inf")
+    assert ids[2] == 39 and logprobs[2] == 0.0
+    capped = sanitize_logits(torch.tensor([[float("inf"), 1.0]]))
+    assert capped[0, 0] == LOGIT_CAP and torch.isfinite(capped / 0.01).all()
