@@ -13,8 +13,9 @@ and the gaps between streamed chunks are what a client sees. Workloads:
     python bench/e2e.py                      # every system that is installed
     python bench/e2e.py --quick --systems baseline,llamacpp
 
-Writes bench/results/e2e-<timestamp>.json, e2e-ttft.png, e2e-decode.png and
-e2e.md (the table for the README); server logs go to bench/results/logs/.
+Writes bench/results/e2e-<timestamp>.json (every measurement), and for the
+latest run e2e.md (the tables for the README), e2e-ttft.png and
+e2e-decode.png; server logs go to bench/results/logs/.
 """
 import argparse
 import dataclasses
@@ -376,14 +377,18 @@ def markdown(report: dict) -> str:
               " Peak RSS: the server process and its children, sampled every 100 ms from launch to exit."
               " Load avg: the machine's 1-minute load average when the system's run ended (above the thread "
               "count means other work shared the cores)."]
+    if ran:
+        lines += ["", "![TTFT per chat turn](e2e-ttft.png)", "", "![Decode tokens/s](e2e-decode.png)"]
     skipped = {name: entry for name, entry in report["systems"].items() if "skipped" in entry}
     if skipped:
         lines += ["", "Not measured:"] + [f"- {entry['label']}: {entry['skipped']}" for entry in skipped.values()]
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict, stamp: str) -> list[Path]:
+def plot(report: dict) -> list[Path]:
+    """The two figures, under fixed names so the README can embed the latest run."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -398,13 +403,16 @@ def plot(report: dict, stamp: str) -> list[Path]:
         chat = entry["result"]["chat"]
         ax.plot(range(1, len(chat) + 1), [t["ttft_s"] for t in chat], marker="o", label=entry["label"])
     ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_xlabel("chat turn (whole history resent; prompt grows to ~2,000 tokens)")
     ax.set_ylabel("time to first token (s, log scale)")
     ax.set_title(f"TTFT per chat turn\n{caption}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    ttft = RESULTS / f"e2e-ttft-{stamp}.png"
+    ttft = RESULTS / "e2e-ttft.png"
     fig.savefig(ttft, dpi=120)
     plt.close(fig)
 
@@ -417,7 +425,7 @@ def plot(report: dict, stamp: str) -> list[Path]:
     ax.set_xlabel("decode tokens/s, streamed, greedy (higher is better)")
     ax.set_title(f"Decode speed, short prompt\n{caption}", fontsize=10)
     fig.tight_layout()
-    decode = RESULTS / f"e2e-decode-{stamp}.png"
+    decode = RESULTS / "e2e-decode.png"
     fig.savefig(decode, dpi=120)
     plt.close(fig)
     return [ttft, decode]
@@ -475,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     data.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     table = RESULTS / "e2e.md"
     table.write_text(markdown(report))
-    images = plot(report, stamp)
+    images = plot(report)
     print(f"wrote {data}, {table}" + "".join(f", {image}" for image in images), flush=True)
     print(table.read_text(), flush=True)
     return 0
