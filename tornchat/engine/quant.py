@@ -9,6 +9,7 @@ kernel is slower than fp32 on these CPUs (PERF-NOTES.md), so only int4.
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 INNER_K_TILES = 2  # the CPU packer accepts 2, 4 or 8; it only changes the layout
 
@@ -51,6 +52,11 @@ def dequantize_int4(w: Int4Weight) -> torch.Tensor:
     k = w.packed.shape[1] * 2
     eye = torch.eye(k, dtype=w.scales_and_zeros.dtype)
     return int4_linear(eye, w).t().contiguous()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight) -> torch.Tensor:
+    """F.linear for either a plain weight or a packed one."""
+    return F.linear(x, w) if isinstance(w, torch.Tensor) else int4_linear(x, w)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
