@@ -1,0 +1,115 @@
+"""Sampling time per call: Triton kernel vs the sort-based PyTorch reference vs torch.multinomial.
+
+Columns (milliseconds per call of one [B, V] batch, temperature 0.8,
+top_k 50, top_p 0.9):
+
+- triton: ``tornchat.kernels.sampling_triton.sample`` (CUDA only);
+- reference: ``sample_reference``, the sort-based definition of the
+  semantics (a Python loop over rows);
+- multinomial: softmax(logits / T) then torch.multinomial, no top-k/top-p:
+  the floor of what a framework sampler costs.
+
+On CUDA each is timed with triton.testing.do_bench; on a CPU-only machine
+the triton column is null (the interpreter's speed says nothing about a GPU)
+and the CPU paths are timed with a wall clock. Writes JSON and a PNG to
+bench/results/.
+
+    python bench/kernels.py [--quick]
+"""
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from tornchat.kernels.sampling import sample_reference
+
+BATCHES = (1, 8, 64)
+VOCABS = (32_000, 49_152, 152_064, 262_144)
+RESULTS = Path(__file__).parent / "results"
+
+
+def multinomial(logits, temperature, top_k, top_p, seed, step):
+    probs = torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    return torch.multinomial(probs, 1)[:, 0]
+
+
+def wall_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="B in {1, 8}, V in {32k, 49k}, fewer repeats")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    batches, vocabs = (BATCHES[:2], VOCABS[:2]) if args.quick else (BATCHES, VOCABS)
+    methods = {"reference": sample_reference, "multinomial": multinomial}
+    if cuda:
+        from triton.testing import do_bench
+
+        from tornchat.kernels import sampling_triton
+
+        methods = {"triton": sampling_triton.sample, **methods}
+    rows = []
+    for batch in batches:
+        for vocab in vocabs:
+            logits = torch.randn(batch, vocab, device=device) * 3
+            args_ = (
+                torch.full((batch,), 0.8, device=device),
+                torch.full((batch,), 50, device=device, dtype=torch.int64),
+                torch.full((batch,), 0.9, device=device),
+                torch.arange(batch, device=device),
+                0,
+            )
+            row = {"batch": batch, "vocab": vocab, "triton": None}
+            for name, fn in methods.items():
+                call = lambda fn=fn: fn(logits, *args_)  # noqa: E731
+                row[name] = do_bench(call) if cuda else wall_ms(call, 3 if args.quick else 10)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    meta = {
+        "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "note": None if cuda else "no GPU: the triton column needs CUDA",
+    }
+    stem = RESULTS / f"kernels-{'cuda' if cuda else 'cpu'}{'-quick' if args.quick else ''}"
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    plot(rows, meta, stem.with_suffix(".png"))
+    print(f"wrote {stem}.json and .png")
+
+
+def plot(rows, meta, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        subset = [r for r in rows if r["batch"] == batch]
+        for name in ("triton", "reference", "multinomial"):
+            points = [(r["vocab"], r[name]) for r in subset if r.get(name) is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=name)
+        ax.set(title=f"B = {batch}", xlabel="vocabulary", ylabel="ms per call", xscale="log", yscale="log")
+        ax.legend()
+    fig.suptitle(f"sampling, {meta['device']}" + (f" ({meta['note']})" if meta["note"] else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
