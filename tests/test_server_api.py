@@ -390,3 +390,20 @@ def test_disconnects_cancel_and_models_stay_responsive(server):
     assert after["decode_steps"] - at_close <= 2, (at_close, after["decode_steps"])
     assert after["decode_steps"] - before["decode_steps"] < 100
     assert server.health()["server"]["client_disconnects"] >= 2
+
+
+def test_disconnect_without_stream_cancels(server):
+    before = server.health()["engine"]
+    conn = servers.connect(server.url)
+    body = {**GREEDY, "messages": [{"role": "user", "content": "Write a long poem."}], "max_tokens": 400}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    wait_for(server, lambda h: h["engine"]["decode_steps"] > before["decode_steps"])
+    conn.close()
+    after = wait_for(server, lambda h: h["engine"]["cancelled"] == before["cancelled"] + 1)["engine"]
+    assert after["completed"] == before["completed"] and after["decode_steps"] - before["decode_steps"] < 100
+    assert servers.request(server.url, "GET", "/v1/models").status == 200
+
+
+def test_server_logged_no_tracebacks(server):
+    # Every request above ended in a reply or a clean cancel: nothing unexpected was logged.
+    assert "Traceback" not in server.log() and " ERROR " not in server.log()

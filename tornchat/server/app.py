@@ -41,9 +41,9 @@ def log_request(handler) -> None:
     )
 
 
-def make_app(config: Config, engine, routes: list | None = None) -> Application:
+def make_app(config: Config, engine) -> Application:
     return Application(
-        routes or ROUTES,
+        ROUTES,
         default_handler_class=handlers.NotFoundHandler,
         log_function=log_request,
         tornchat_config=config,
@@ -59,7 +59,7 @@ def serve(config: Config, engine) -> None:
         app = make_app(config, engine)
         # Bodies past our own limit are answered with a JSON 413 by the
         # handler; Tornado's cap is only the hard stop for endless uploads.
-        server = HTTPServer(app, max_body_size=2 * config.max_body_bytes + 65536, xheaders=False)
+        server = HTTPServer(app, max_body_size=2 * config.max_body_bytes + 65536)
         server.listen(config.port, config.host)
         log.info("listening on http://%s:%d", config.host, config.port)
         stop = asyncio.Event()
