@@ -21,8 +21,6 @@ Also returned: the chosen token's log-probability under log_softmax(z)
 """
 import torch
 
-from tornchat.kernels import dispatch
-
 from tornchat.kernels.dispatch import triton_module, use_triton
 
 GREEDY_TEMPERATURE = 0.01
@@ -122,5 +120,5 @@ def sample(
     seed reproduces its tokens on the same kind of device only.
     """
     if use_triton(logits):
-        return triton_module("triton_sampling").sample_triton(logits, temperature, top_k, top_p, seed, step)
+        return triton_module("sampling_triton").sample(logits, temperature, top_k, top_p, seed, step)
     return sample_reference(logits, temperature, top_k, top_p, seed, step)
