@@ -59,7 +59,8 @@ class System:
 
 
 def tornchat_systems(threads: int, port: int) -> list[System]:
-    """tornchat with its defaults, plus the plain transformers fp32 path when a faster one is the default.
+    """tornchat with its defaults, with int4 weights when that is not the default, and on the plain
+    transformers fp32 path when a faster one is the default: the before/after rows.
 
     The model-path options are being added while this bench is written, so
     they are looked up in the Config at run time rather than assumed.
@@ -71,17 +72,19 @@ def tornchat_systems(threads: int, port: int) -> list[System]:
         reason = "tornchat.server.app does not exist yet"
         return [System("tornchat", "tornchat", base, "gpt-3.5-turbo", "/health", skip=reason)]
     defaults = Config()
-    label = "tornchat (defaults" + "".join(
-        f", {name}={getattr(defaults, name)}" for name in ("model_impl", "quantize") if hasattr(defaults, name)
-    ) + ")"
-    systems = [System("tornchat", label, base, "gpt-3.5-turbo", "/health")]
-    plain = []
+    variants = [("tornchat", [])]
+    if getattr(defaults, "quantize", None) == "none":
+        variants.append(("tornchat-int4", ["--quantize", "int4"]))
     if getattr(defaults, "model_impl", "hf") != "hf":
-        plain += ["--model-impl", "hf"]
-    if getattr(defaults, "quantize", "none") not in ("none", None):
-        plain += ["--quantize", "none"]
-    if plain:
-        systems.append(System("tornchat-hf", "tornchat (HF fp32 path)", base + plain, "gpt-3.5-turbo", "/health"))
+        plain = ["--model-impl", "hf"] + (["--quantize", "none"] if hasattr(defaults, "quantize") else [])
+        variants.append(("tornchat-hf", plain))
+    systems = []
+    for name, flags in variants:
+        settings = {key: getattr(defaults, key) for key in ("model_impl", "quantize") if hasattr(defaults, key)}
+        settings.update({flag.lstrip("-").replace("-", "_"): value for flag, value in zip(flags[::2], flags[1::2])})
+        described = ", ".join(f"{key}={value}" for key, value in settings.items())
+        label = f"tornchat{' defaults' if not flags else ''}" + (f" ({described})" if described else "")
+        systems.append(System(name, label, base + flags, "gpt-3.5-turbo", "/health"))
     return systems
 
 
@@ -275,9 +278,17 @@ def drive(server: Server, system: System, port: int, workload: workloads.Workloa
     # the workloads measure the steady state a user sees after that.
     stream_once(client, system.model, [{"role": "user", "content": "Hi"}], 4, tokenizer)
 
-    short = stream_once(client, system.model, workloads.short_messages(), workload.short_max_tokens, tokenizer)
-    print(f"  short: TTFT {short['ttft_s'] * 1000:.0f} ms, decode {short['decode_tok_s'] or 0:.1f} tok/s, "
-          f"{short['completion_tokens']} tokens in {short['chunks']} chunks", flush=True)
+    runs = []
+    for repeat in range(workload.short_repeats):
+        run = stream_once(client, system.model, workloads.short_messages(repeat), workload.short_max_tokens, tokenizer)
+        runs.append(run)
+        print(f"  short {repeat + 1}/{workload.short_repeats}: TTFT {run['ttft_s'] * 1000:.0f} ms, "
+              f"decode {run['decode_tok_s'] or 0:.1f} tok/s, {run['completion_tokens']} tokens in {run['chunks']} chunks",
+              flush=True)
+    # Medians, so that one run slowed by other work on the machine does not decide the figure.
+    rates = [run["decode_tok_s"] for run in runs if run["decode_tok_s"]]
+    short = {"ttft_s": statistics.median(run["ttft_s"] for run in runs),
+             "decode_tok_s": statistics.median(rates) if rates else None}
 
     messages = [{"role": "system", "content": workloads.SYSTEM}]
     turns = []
@@ -289,9 +300,11 @@ def drive(server: Server, system: System, port: int, workload: workloads.Workloa
         turns.append(turn)
         print(f"  chat turn {number}: {turn['prompt_tokens']} prompt tokens, TTFT {turn['ttft_s'] * 1000:.0f} ms, "
               f"{turn['completion_tokens']} tokens, decode {turn['decode_tok_s'] or 0:.1f} tok/s", flush=True)
-    gaps = short["gaps_ms"] + [gap for turn in turns for gap in turn["gaps_ms"]]
-    return {"ready_s": ready_s, "short": short, "chat": turns,
-            "gap_p50_ms": percentile(gaps, 0.5), "gap_p99_ms": percentile(gaps, 0.99)}
+    streams = runs + turns
+    gaps = [gap for stream in streams for gap in stream["gaps_ms"]]
+    return {"ready_s": ready_s, "short": short, "short_runs": runs, "chat": turns,
+            "gap_p50_ms": percentile(gaps, 0.5), "gap_p99_ms": percentile(gaps, 0.99),
+            "tokens_per_chunk": sum(s["completion_tokens"] for s in streams) / sum(s["chunks"] for s in streams)}
 
 
 def machine(threads: int) -> dict:
@@ -329,7 +342,7 @@ def markdown(report: dict) -> str:
         f"Model: SmolLM2-135M-Instruct (embedded Q4_1 GGUF; the transformers-based systems load it dequantized "
         f"to fp32). Each system is a real server on loopback, driven one at a time through the openai SDK "
         f"with `stream=True`, greedy (temperature 0), after one tiny warm-up request. Short prompt: "
-        f"{s['short_max_tokens']} new tokens at most. Chat: {s['turns']} turns, each resending the whole "
+        f"{s['short_max_tokens']} new tokens at most, medians over {s['short_repeats']} prompts on different topics. Chat: {s['turns']} turns, each resending the whole "
         f"history plus a ~{s['user_tokens']}-token user message, {s['turn_max_tokens']} new tokens at most "
         f"per turn. One run per system on a shared machine: compare ratios, not absolute figures.",
         "",
@@ -472,10 +485,6 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{system.name}] skipped: {reason}", flush=True)
                 entry["skipped"] = reason
                 continue
-            result["tokens_per_chunk"] = (
-                sum(t["completion_tokens"] for t in [result["short"], *result["chat"]])
-                / sum(t["chunks"] for t in [result["short"], *result["chat"]])
-            )
             entry["result"] = result
 
     RESULTS.mkdir(parents=True, exist_ok=True)

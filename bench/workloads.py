@@ -9,8 +9,12 @@ from dataclasses import dataclass
 
 SYSTEM = "You are a helpful assistant. Answer clearly and in detail."
 
+# Three topics of the same shape, so that repeats of the short workload share
+# no prompt prefix beyond the system message: no server can answer one from
+# the cache of another.
+SHORT_TOPICS = ["the printing press", "the steam engine", "the telescope"]
 SHORT_PROMPT = (
-    "Write a detailed essay about the history of the printing press, "
+    "Write a detailed essay about the history of {topic}, "
     "its inventors, and how it changed science, religion and politics in Europe."
 )
 
@@ -43,17 +47,19 @@ QUESTIONS = [
 @dataclass
 class Workload:
     short_max_tokens: int
+    short_repeats: int  # the short workload's figures are medians over this many topics
     turns: int
     turn_max_tokens: int
     user_tokens: int  # length of each chat user message, in tokens
 
 
-FULL = Workload(short_max_tokens=128, turns=6, turn_max_tokens=96, user_tokens=240)
-QUICK = Workload(short_max_tokens=32, turns=3, turn_max_tokens=24, user_tokens=120)
+FULL = Workload(short_max_tokens=128, short_repeats=3, turns=6, turn_max_tokens=96, user_tokens=240)
+QUICK = Workload(short_max_tokens=32, short_repeats=1, turns=3, turn_max_tokens=24, user_tokens=120)
 
 
-def short_messages() -> list[dict]:
-    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": SHORT_PROMPT}]
+def short_messages(repeat: int) -> list[dict]:
+    topic = SHORT_TOPICS[repeat % len(SHORT_TOPICS)]
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": SHORT_PROMPT.format(topic=topic)}]
 
 
 def user_message(turn: int, target_tokens: int, tokenizer) -> str:
