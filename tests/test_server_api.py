@@ -56,7 +56,7 @@ def open_stream(server, body: dict):
     return conn, response
 
 
-def assert_clean(body: bytes, server) -> None:
+def assert_clean(body: bytes) -> None:
     text = body.decode()
     assert "Traceback" not in text and "File \"" not in text
     assert ".cache/tornchat" not in text and "SmolLM" not in text and "llama" not in text.lower()
@@ -228,7 +228,7 @@ def test_invalid_request_is_400_naming_the_field(server, body, field):
     assert reply.status == 400, reply.body
     detail = reply.json()["detail"]
     assert detail.startswith("Invalid request: ") and field in detail
-    assert_clean(reply.body, server)
+    assert_clean(reply.body)
 
 
 @pytest.mark.parametrize(
@@ -238,7 +238,7 @@ def test_invalid_request_is_400_naming_the_field(server, body, field):
 def test_malformed_body_is_400(server, raw, field):
     reply = post(server, raw)
     assert reply.status == 400 and field in reply.json()["detail"]
-    assert_clean(reply.body, server)
+    assert_clean(reply.body)
 
 
 def test_oversized_body_is_413(server):
