@@ -107,9 +107,9 @@ def main() -> None:
     engine_row, server_row = rows["engine"], rows["server"]
     print(
         f"server/engine: total x{server_row['total_s'] / engine_row['total_s']:.3f}, "
-        f"TTFT +{server_row['ttft_ms'] - engine_row['ttft_ms']:.1f} ms, "
-        f"gap p50 +{server_row['gap_p50_ms'] - engine_row['gap_p50_ms']:.2f} ms, "
-        f"gap p99 +{server_row['gap_p99_ms'] - engine_row['gap_p99_ms']:.2f} ms"
+        f"TTFT {server_row['ttft_ms'] - engine_row['ttft_ms']:+.1f} ms, "
+        f"gap p50 {server_row['gap_p50_ms'] - engine_row['gap_p50_ms']:+.2f} ms, "
+        f"gap p99 {server_row['gap_p99_ms'] - engine_row['gap_p99_ms']:+.2f} ms"
     )
     print(json.dumps(results))
 
