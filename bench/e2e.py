@@ -320,6 +320,8 @@ def machine(threads: int) -> dict:
         "cpu": cpu, "cores": os.cpu_count(), "threads": threads,
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "python": platform.python_version(),
+        "tornchat_commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
+                                          cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown",
         "packages": {name: version(name) for name in
                      ("torch", "transformers", "tornado", "llama_cpp_python", "openai")},
     }
@@ -337,7 +339,8 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; every server runs with "
         f"{m['threads']} threads. {report['started']}, `python bench/e2e.py{' --quick' if s['quick'] else ''}`.",
-        f"Packages: {', '.join(f'{k} {v}' for k, v in m['packages'].items())}.",
+        f"Packages: {', '.join(f'{k} {v}' for k, v in m['packages'].items())}; tornchat at "
+        f"`{m.get('tornchat_commit', 'unknown')}`.",
         "",
         f"Model: SmolLM2-135M-Instruct (embedded Q4_1 GGUF; the transformers-based systems load it dequantized "
         f"to fp32). Each system is a real server on loopback, driven one at a time through the openai SDK "
@@ -451,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer turns and tokens, for a smoke run")
     p.add_argument("--threads", type=int, default=2, help="threads for every server (default 2)")
     args = p.parse_args(argv)
+    # Turn kill into an exception, so the finally blocks stop the server being measured.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wanted = [name.strip() for name in args.systems.split(",") if name.strip()]
     unknown = [name for name in wanted if name not in SYSTEM_BUILDERS]
     if unknown:
