@@ -5,7 +5,8 @@ import torch
 
 from tornchat import checkpoint, prompt
 from tornchat.config import Config
-from tornchat.engine.model import HFRunner
+from tornchat.engine import llama
+from tornchat.engine.model import HFRunner, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.worker import Engine
 
@@ -22,13 +23,28 @@ def pick_device(name: str) -> str:
     return name
 
 
+def make_runner(model: torch.nn.Module, config: Config) -> Runner:
+    """The lean forward where the family allows it (PERF-NOTES.md), else transformers' modules."""
+    reason = llama.unsupported_reason(model)
+    if config.model_impl == "hf" or (config.model_impl == "auto" and reason):
+        if config.quantize != "none":
+            raise checkpoint.CheckpointError(f"--quantize {config.quantize} needs the lean forward ({reason or 'model_impl is hf'})")
+        return HFRunner(model)
+    if reason:
+        raise checkpoint.CheckpointError(f"--model-impl lean: {reason}")
+    return llama.LlamaRunner(model, quantize=config.quantize)
+
+
 def build_engine(config: Config) -> Engine:
     if config.threads:
         torch.set_num_threads(config.threads)
     device = pick_device(config.device)
     loaded = checkpoint.load(config.checkpoint_path, device=device, dtype=DTYPES[config.dtype])
-    runner = HFRunner(loaded.model)
+    runner = make_runner(loaded.model, config)
     slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024)
     stops = prompt.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
-    log.info("engine ready on %s, %d threads, %d KV slots", device, torch.get_num_threads(), config.kv_slots)
+    log.info(
+        "engine ready on %s, %s forward, %d threads, %d KV slots",
+        device, type(runner).__name__, torch.get_num_threads(), config.kv_slots,
+    )
     return Engine(runner, loaded.tokenizer, stops, slots, max_queue=config.max_queue)

@@ -28,30 +28,36 @@ def supports(weight: torch.Tensor, group_size: int) -> bool:
     return k % group_size == 0 and k % (16 * INNER_K_TILES) == 0 and n % 2 == 0
 
 
-def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> Int4Weight:
-    """Round [N, K] weights to 16 levels spread over each group's [min, max]."""
+def group_levels(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Levels 0..15 spread over each group's [min, max]: (q [N, G, group], scales, lows [N, G, 1])."""
     n, k = weight.shape
     groups = weight.detach().float().reshape(n, k // group_size, group_size)
     low, high = groups.amin(dim=-1, keepdim=True), groups.amax(dim=-1, keepdim=True)
     scales = ((high - low) / 15).clamp(min=1e-6)
-    q = ((groups - low) / scales).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+    q = ((groups - low) / scales).round().clamp(0, 15)
+    return q, scales, low
+
+
+def fake_quantize_int4(weight: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    """The plain weights int4 stands for: int4 numerics with any fp32 code (tests, quality checks)."""
+    q, scales, low = group_levels(weight, group_size)
+    return (q * scales + low).reshape(weight.shape).to(weight.dtype)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> Int4Weight:
+    """Pack [N, K] weights for the CPU kernel."""
+    n, k = weight.shape
+    q, scales, low = group_levels(weight, group_size)
     # The kernel computes (q - 8) * scale + zero, so the zero is the value of level 8.
     zeros = low + 8 * scales
     scales_and_zeros = torch.stack([scales.squeeze(-1), zeros.squeeze(-1)], dim=-1)  # [N, G, 2]
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, INNER_K_TILES)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k), INNER_K_TILES)
     return Int4Weight(
         packed=packed,
         scales_and_zeros=scales_and_zeros.transpose(0, 1).contiguous().to(weight.dtype),
         group_size=group_size,
         out_features=n,
     )
-
-
-def dequantize_int4(w: Int4Weight) -> torch.Tensor:
-    """The [N, K] weights the kernel effectively multiplies by (for tests and error checks)."""
-    k = w.packed.shape[1] * 2
-    eye = torch.eye(k, dtype=w.scales_and_zeros.dtype)
-    return int4_linear(eye, w).t().contiguous()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight) -> torch.Tensor:
