@@ -1,4 +1,6 @@
 """Shared fixtures: a tiny random-weight Llama for fast tests, the real SmolLM2 for integration."""
+import json
+
 import pytest
 import torch
 
@@ -63,3 +65,18 @@ def smol_engine(smol):
     engine = make_engine(smol.model, smol.tokenizer)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tiny_model, tokenizer, tmp_path_factory) -> str:
+    """tiny_model as a HF directory, for server processes that need a fast model, not a good one.
+
+    Its context is widened to 4096 so that one generation can run for seconds
+    (random weights rarely emit end-of-turn).
+    """
+    path = tmp_path_factory.mktemp("tiny-checkpoint")
+    tiny_model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    return str(path)

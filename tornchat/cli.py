@@ -1,11 +1,11 @@
 """Command line: ``tornchat serve`` (also ``python -m tornchat``)."""
 import argparse
 import dataclasses
-import logging
 import sys
 
 from tornchat import config as config_module
 from tornchat.checkpoint import CheckpointError
+from tornchat.server import logs
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,6 +38,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-auth", help="require HTTP Basic credentials user:password")
     p.add_argument("--cors-origin", help="allowed CORS origin, e.g. '*' (default: CORS off)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
+    p.add_argument("--log-format", choices=["text", "json"], help="json: one JSON object per line (default text)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,9 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError) as exc:
         print(f"tornchat: bad configuration: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logs.configure(config.log_level, config.log_format)
     from tornchat.engine.build import build_engine
     from tornchat.server.app import serve
 

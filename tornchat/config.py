@@ -25,6 +25,7 @@ class Config:
     api_auth: str | None = None  # "user:password" for HTTP Basic
     cors_origin: str | None = None  # e.g. "*" or "http://localhost:3000"; None: CORS off
     log_level: str = "info"
+    log_format: str = "text"  # text | json (one JSON object per line)
 
 
 def load_yaml(path: str) -> dict:

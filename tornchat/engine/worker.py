@@ -1,10 +1,14 @@
 """One generation at a time, in a worker thread, from a bounded FIFO queue."""
+import itertools
 import logging
+import os
 import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+import torch
 
 from tornchat.engine import decode
 from tornchat.engine.model import Runner
@@ -12,6 +16,48 @@ from tornchat.engine.slots import SlotPool
 from tornchat.engine.types import Event, GenerationRequest, QueueFull
 
 log = logging.getLogger("tornchat.engine")
+
+FAULT_ENV = "TORNCHAT_FAULT"
+OUT_OF_MEMORY = "the device ran out of memory"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Test hook, off unless TORNCHAT_FAULT=KIND:N is set when the Engine starts.
+
+    In every generation, model step N (prefill chunks and decode steps count
+    alike, from 1) raises instead of running: KIND ``error`` raises a
+    RuntimeError, ``oom`` a torch.OutOfMemoryError. Generations shorter than
+    N steps are unaffected, so one server process shows both the failure and
+    the recovery. It rides on the cancellation check, which the decode loop
+    calls once before every step.
+    """
+
+    kind: str
+    step: int
+
+    @classmethod
+    def from_env(cls) -> "Fault | None":
+        spec = os.environ.get(FAULT_ENV)
+        if not spec:
+            return None
+        kind, _, step = spec.partition(":")
+        if kind not in ("error", "oom") or not step.isdigit() or int(step) < 1:
+            raise ValueError(f"{FAULT_ENV}={spec!r}: expected error:N or oom:N with N >= 1")
+        log.warning("fault injection on: model step %s of every generation raises (%s)", step, kind)
+        return cls(kind, int(step))
+
+    def arm(self, cancelled: Callable[[], bool]) -> Callable[[], bool]:
+        steps = itertools.count(1)
+
+        def check() -> bool:
+            if next(steps) == self.step:
+                if self.kind == "oom":
+                    raise torch.OutOfMemoryError(f"injected by {FAULT_ENV}")
+                raise RuntimeError(f"injected by {FAULT_ENV}")
+            return cancelled()
+
+        return check
 
 
 @dataclass
@@ -47,6 +93,8 @@ class EngineStats:
     )
     last_prefill_tokens: int = 0
     last_reused_tokens: int = 0
+    kv_slots: int = 0  # slots held after the last generation
+    kv_bytes: int = 0  # their caches, together
 
 
 class Engine:
@@ -57,6 +105,7 @@ class Engine:
         self.slots = slots
         self.max_queue = max_queue
         self.stats = EngineStats()
+        self.fault = Fault.from_env()
         self._waiting: deque[Handle] = deque()
         self._wakeup = threading.Condition()
         self._closed = False
@@ -138,6 +187,9 @@ class Engine:
                 self.stats.last_reused_tokens = counters["reused_tokens"] - reused_before
             handle.on_event(event)
 
+        def cancelled() -> bool:
+            return handle.cancelled
+
         try:
             decode.generate(
                 self.runner,
@@ -146,11 +198,20 @@ class Engine:
                 self.stop_token_ids,
                 handle.request,
                 emit,
-                lambda: handle.cancelled,
+                self.fault.arm(cancelled) if self.fault else cancelled,
                 counters,
             )
             if not finished:
                 counters["cancelled"] += 1
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            # decode has dropped the slot; hand its memory back before the next request.
+            log.error("generation failed: %s (%s)", OUT_OF_MEMORY, exc)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            emit(Event(error=MemoryError(OUT_OF_MEMORY)))
         except Exception as exc:
             log.exception("generation failed")
             emit(Event(error=exc))
+        finally:
+            self.stats.kv_slots = len(self.slots.slots)
+            self.stats.kv_bytes = self.slots.total_bytes()

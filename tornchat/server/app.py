@@ -1,6 +1,7 @@
 """The Tornado application: the route table, the access log, and serve()."""
 import asyncio
 import logging
+import re
 import signal
 
 from tornado.httpserver import HTTPServer
@@ -8,6 +9,7 @@ from tornado.web import Application
 
 from tornchat.config import Config
 from tornchat.server import handlers
+from tornchat.server.metrics import Metrics
 from tornchat.server.stats import ServerStats
 
 log = logging.getLogger("tornchat.server")
@@ -15,10 +17,16 @@ access_log = logging.getLogger("tornchat.access")
 
 ROUTES = [
     (r"/health", handlers.HealthHandler),
+    (r"/metrics", handlers.MetricsHandler),
+    (r"/openapi.json", handlers.OpenAPIHandler),
     (r"/v1/models", handlers.ModelsHandler),
     (r"/v1/models/([^/]+)", handlers.ModelHandler),
     (r"/v1/chat/completions", handlers.ChatCompletionsHandler),
 ]
+# Metric labels: the route, not the raw path, so that probing clients cannot
+# grow the number of series.
+ENDPOINTS = {handler: re.sub(r"\(.*?\)", "{id}", path) for path, handler in ROUTES}
+SHUTDOWN_GRACE_S = 5.0  # requests in flight at SIGTERM get this long to finish; then they are cancelled
 
 
 def log_request(handler) -> None:
@@ -28,32 +36,56 @@ def log_request(handler) -> None:
     request = handler.request
     usage = getattr(handler, "usage", None)
     first = getattr(handler, "first_token_at", None)
-    ttft = f"{(first - request._start_time) * 1000:.1f}" if first else "-"
+    ttft = first - request._start_time if first else None
+    handler.settings["metrics"].observe_response(ENDPOINTS.get(type(handler), "other"), status, usage, ttft)
+    fields = {
+        "method": request.method,
+        "path": request.path,
+        "status": status,
+        "prompt_tokens": usage.prompt_tokens if usage else None,
+        "completion_tokens": usage.completion_tokens if usage else None,
+        "ttft_ms": round(ttft * 1000, 1) if ttft is not None else None,
+        "total_ms": round(request.request_time() * 1000, 1),
+    }
     access_log.info(
         "%s %s %d prompt_tokens=%s completion_tokens=%s ttft_ms=%s total_ms=%.1f",
-        request.method,
-        request.path,
-        status,
-        usage.prompt_tokens if usage else "-",
-        usage.completion_tokens if usage else "-",
-        ttft,
-        request.request_time() * 1000,
+        *(("-" if value is None else value) for value in fields.values()),
+        extra=fields,  # separate keys in --log-format json
     )
 
 
 def make_app(config: Config, engine) -> Application:
+    server_stats = ServerStats()
     return Application(
         ROUTES,
         default_handler_class=handlers.NotFoundHandler,
         log_function=log_request,
         tornchat_config=config,
         engine=engine,
-        server_stats=ServerStats(),
+        server_stats=server_stats,
+        metrics=Metrics(engine, server_stats),
+        in_flight=set(),  # chat handlers with a generation submitted, for shutdown
     )
 
 
+async def drain(in_flight: set, grace: float) -> None:
+    """Let requests in flight finish for up to grace seconds, then cancel the rest with a clear error."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    while in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if in_flight:
+        log.warning("cancelling %d request(s) still in flight", len(in_flight))
+        for handler in list(in_flight):
+            handler.shut_down()
+    # Each cancelled handler writes its last bytes on its next turn of the loop.
+    deadline = loop.time() + 1.0
+    while in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+
+
 def serve(config: Config, engine) -> None:
-    """Listen until SIGINT or SIGTERM, then stop the engine."""
+    """Listen until SIGINT or SIGTERM; then stop accepting, drain, close connections, stop the engine."""
 
     async def main() -> None:
         app = make_app(config, engine)
@@ -69,6 +101,7 @@ def serve(config: Config, engine) -> None:
         await stop.wait()
         log.info("shutting down")
         server.stop()
+        await drain(app.settings["in_flight"], SHUTDOWN_GRACE_S)
         await server.close_all_connections()
 
     try:

@@ -13,12 +13,25 @@ from tornado.web import HTTPError, RequestHandler, stream_request_body
 from tornchat import MODEL_ID, functions, prompt
 from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, QueueFull
 from tornchat.functions import Piece
-from tornchat.server import auth, replies, sse, stats, validate
+from tornchat.server import auth, openapi, replies, sse, stats, validate
 from tornchat.server.errors import APIError, invalid
 
 log = logging.getLogger("tornchat.server")
 
 STATUS_DETAILS = {404: "Not found", 405: "Method not allowed"}
+
+
+class ShuttingDown(Exception):
+    """Ends a generation still running when the server stops (SIGTERM)."""
+
+
+def failure(error: BaseException) -> tuple[int, str]:
+    """Status and client-visible message for a generation that failed; never the error's own text."""
+    if isinstance(error, MemoryError):  # the engine reports device OOM as MemoryError
+        return 503, "The device ran out of memory during generation; the request was dropped. Retry, or send a shorter conversation"
+    if isinstance(error, ShuttingDown):
+        return 503, "Server shutting down; retry shortly"
+    return 500, "Internal server error"
 
 
 class BaseHandler(RequestHandler):
@@ -91,6 +104,22 @@ class HealthHandler(BaseHandler):
         self.write_json(stats.snapshot(self.engine, self.server_stats))
 
 
+class MetricsHandler(BaseHandler):
+    """Prometheus exposition. Behind the credentials when auth is on: it shows traffic volumes."""
+
+    def get(self) -> None:
+        body, content_type = self.settings["metrics"].render(self.request.headers.get("Accept", ""))
+        self.set_header("Content-Type", content_type)
+        self.write(body)
+
+
+class OpenAPIHandler(BaseHandler):
+    open_access = True  # the API's shape is public; it names no model and no path
+
+    def get(self) -> None:
+        self.write_json(openapi.document(self.config))
+
+
 class ModelsHandler(BaseHandler):
     def get(self) -> None:
         self.write_json({"object": "list", "data": [replies.model_card()]})
@@ -119,6 +148,7 @@ class ChatCompletionsHandler(BaseHandler):
         self.generating = False
         self.usage = None  # for the access log
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.body_size = 0
         self.chunks: list[bytes] = []
         declared = self.request.headers.get("Content-Length", "")
@@ -155,16 +185,22 @@ class ChatCompletionsHandler(BaseHandler):
         except QueueFull:
             raise APIError(503, "Server busy: too many requests are waiting; retry shortly", {"Retry-After": "1"}) from None
         self.generating = True
+        in_flight = self.settings["in_flight"]
+        in_flight.add(self)
         reply = replies.Reply(request.call_style)
-        if request.stream:
-            await self._stream(reply, plan.parser, request.include_usage)
-        else:
-            await self._complete(reply, plan.parser)
+        try:
+            if request.stream:
+                await self._stream(reply, plan.parser, request.include_usage)
+            else:
+                await self._complete(reply, plan.parser)
+        finally:
+            in_flight.discard(self)
 
     async def _complete(self, reply: replies.Reply, parser) -> None:
         async for event in self._events():
             if event.error is not None:
-                raise APIError(500, "Internal server error")  # the engine has logged it
+                status, message = failure(event.error)  # the engine has logged it
+                raise APIError(status, message, {"Retry-After": "1"} if status == 503 else None)
             for piece in _pieces(parser, event):
                 reply.add(piece)
             if event.is_last:
@@ -180,7 +216,8 @@ class ChatCompletionsHandler(BaseHandler):
         try:
             async for event in self._events():
                 if event.error is not None:
-                    await self._send(sse.error_record("Generation failed", "server_error") + sse.DONE)
+                    status, message = failure(event.error)
+                    await self._send(sse.error_record("Generation failed" if status == 500 else message, "server_error") + sse.DONE)
                     return
                 records = [sse.record(reply.chunk(delta)) for p in _pieces(parser, event) if (delta := reply.add(p))]
                 if event.is_last:
@@ -197,9 +234,15 @@ class ChatCompletionsHandler(BaseHandler):
 
     async def _events(self):
         """Engine events for this request, ending with the last one or when the client leaves."""
+        inter_token = self.settings["metrics"].inter_token
         while (event := await self.events.get()) is not None:
-            if self.first_token_at is None and event.text:
-                self.first_token_at = time.time()
+            if event.text:
+                now = time.time()
+                if self.last_token_at is None:
+                    self.first_token_at = now
+                else:
+                    inter_token.observe(now - self.last_token_at)
+                self.last_token_at = now
             yield event
             if event.is_last:
                 self.generating = False
@@ -221,6 +264,13 @@ class ChatCompletionsHandler(BaseHandler):
             self.engine.withdraw(self.handle)
             self.server_stats.counters["client_disconnects"] += 1
             self.events.put_nowait(None)
+
+    def shut_down(self) -> None:
+        """The server is stopping: cancel the generation and answer with a 503 or a stream error record."""
+        if self.generating:
+            self.generating = False
+            self.engine.withdraw(self.handle)
+            self.events.put_nowait(Event(error=ShuttingDown()))
 
     def on_connection_close(self) -> None:
         if getattr(self, "handle", None) is not None:

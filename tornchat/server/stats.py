@@ -31,4 +31,5 @@ def snapshot(engine, server: ServerStats) -> dict:
         "queue_depth": engine.queue_depth(),
         "engine": dict(engine.stats.counters),
         "server": dict(server.counters),
+        "kv": {"slots": engine.stats.kv_slots, "bytes": engine.stats.kv_bytes},
     }

@@ -1,0 +1,339 @@
+"""The OpenAPI 3.1 document served at GET /openapi.json.
+
+Written by hand to say what validate.py accepts and replies.py sends; the
+reliability tests check live replies against these schemas and fuzz the
+server with bodies generated from the request schema, so a drift between
+this file and the code fails there.
+"""
+from tornchat import MODEL_ID, __version__
+from tornchat.config import Config
+from tornchat.server import auth
+from tornchat.server.validate import MAX_STOP, ROLES
+
+
+def _optional(schema: dict) -> dict:
+    """A request field that may also be null, which means "not given"."""
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+ERROR = _ref("Error")
+CALL = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON-encoded arguments"}},
+}
+TOOL_CALL = {
+    "type": "object",
+    "required": ["id", "function"],
+    "properties": {"id": {"type": "string"}, "type": {"const": "function"}, "function": CALL},
+}
+USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": {"type": "integer", "minimum": 0},
+        "completion_tokens": {"type": "integer", "minimum": 0},
+        "total_tokens": {"type": "integer", "minimum": 0},
+        "prompt_tokens_details": {
+            "type": "object",
+            "properties": {"cached_tokens": {"type": "integer", "minimum": 0, "description": "Taken from a KV-cache slot"}},
+        },
+    },
+}
+FINISH_REASON = {"enum": ["stop", "length", "function_call", "tool_calls"]}
+
+
+def schemas(config: Config) -> dict:
+    return {
+        "Error": {
+            "type": "object",
+            "required": ["detail"],
+            "properties": {"detail": {"type": "string", "description": "400s start with 'Invalid request: '"}},
+        },
+        "Message": {
+            "type": "object",
+            "required": ["role"],
+            "properties": {
+                "role": {"enum": list(ROLES)},
+                "content": {
+                    "description": "Text, or an array of text parts; null only on assistant messages",
+                    "anyOf": [
+                        {"type": "string"},
+                        {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["type", "text"],
+                                "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                            },
+                        },
+                        {"type": "null"},
+                    ],
+                },
+                "name": _optional({"type": "string"}),
+                "function_call": _optional({**CALL, "description": "Assistant messages only"}),
+                "tool_calls": _optional({"type": "array", "minItems": 1, "items": TOOL_CALL, "description": "Assistant messages only"}),
+                "tool_call_id": {"type": "string", "description": "Required on tool messages"},
+            },
+        },
+        "FunctionDefinition": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                "description": _optional({"type": "string"}),
+                "parameters": _optional({"type": "object", "description": "JSON Schema of the arguments"}),
+            },
+        },
+        "ChatCompletionRequest": {
+            "type": "object",
+            "required": ["model", "messages"],
+            "description": f"At most {config.max_body_bytes} bytes (413 beyond). Unknown fields are ignored.",
+            "properties": {
+                "model": {"type": "string", "description": f"Accepted, ignored: replies always report {MODEL_ID}"},
+                "messages": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": config.max_messages,
+                    "items": _ref("Message"),
+                    "description": "At least one user message. The rendered prompt must leave room for one new token within max_length and the model's context",
+                },
+                "temperature": _optional({"type": "number", "minimum": 0, "maximum": 2, "description": "Below 0.01: greedy"}),
+                "top_p": _optional({"type": "number", "minimum": 0, "maximum": 1}),
+                "top_k": _optional({"type": "integer", "minimum": 1}),
+                "max_tokens": _optional({"type": "integer", "minimum": 1, "description": "New tokens"}),
+                "max_completion_tokens": _optional({"type": "integer", "minimum": 1, "description": "Same as max_tokens; the smaller wins"}),
+                "max_length": _optional({"type": "integer", "minimum": 1, "description": "Prompt plus new tokens"}),
+                "stream": _optional({"type": "boolean"}),
+                "stream_options": _optional({"type": "object", "properties": {"include_usage": _optional({"type": "boolean"})}}),
+                "stop": _optional(
+                    {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}}]}
+                ),
+                "seed": _optional({"type": "integer"}),
+                "n": _optional({"const": 1}),
+                "functions": _optional({"type": "array", "items": _ref("FunctionDefinition")}),
+                "function_call": _optional(
+                    {
+                        "anyOf": [
+                            {"enum": ["auto", "none"]},
+                            {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+                        ]
+                    }
+                ),
+                "tools": _optional(
+                    {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["function"],
+                            "properties": {"type": {"const": "function"}, "function": _ref("FunctionDefinition")},
+                        },
+                        "description": "Give either functions or tools",
+                    }
+                ),
+                "tool_choice": _optional(
+                    {
+                        "anyOf": [
+                            {"enum": ["auto", "none", "required"]},
+                            {
+                                "type": "object",
+                                "required": ["function"],
+                                "properties": {
+                                    "type": {"const": "function"},
+                                    "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+                                },
+                            },
+                        ]
+                    }
+                ),
+            },
+        },
+        "ChatCompletion": {
+            "type": "object",
+            "required": ["id", "object", "created", "model", "choices", "usage"],
+            "properties": {
+                "id": {"type": "string", "pattern": "^chatcmpl-"},
+                "object": {"const": "chat.completion"},
+                "created": {"type": "integer"},
+                "model": {"const": MODEL_ID},
+                "choices": {
+                    "type": "array",
+                    "minItems": 1,
+                    "maxItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["index", "message", "finish_reason"],
+                        "properties": {
+                            "index": {"const": 0},
+                            "message": {
+                                "type": "object",
+                                "required": ["role", "content"],
+                                "properties": {
+                                    "role": {"const": "assistant"},
+                                    "content": {"type": ["string", "null"]},
+                                    "function_call": CALL,
+                                    "tool_calls": {"type": "array", "items": TOOL_CALL},
+                                },
+                            },
+                            "finish_reason": FINISH_REASON,
+                        },
+                    },
+                },
+                "usage": USAGE,
+            },
+        },
+        "ChatCompletionChunk": {
+            "type": "object",
+            "description": "One SSE record `data: {chunk}`; the stream ends with `data: [DONE]`. "
+            "An error after the stream started is one record `data: {\"error\": {\"message\", \"type\"}}` before [DONE]",
+            "required": ["id", "object", "created", "model", "choices"],
+            "properties": {
+                "id": {"type": "string", "pattern": "^chatcmpl-"},
+                "object": {"const": "chat.completion.chunk"},
+                "created": {"type": "integer"},
+                "model": {"const": MODEL_ID},
+                "choices": {
+                    "type": "array",
+                    "maxItems": 1,
+                    "description": "Empty only in the usage chunk (stream_options.include_usage)",
+                    "items": {
+                        "type": "object",
+                        "required": ["index", "delta", "finish_reason"],
+                        "properties": {
+                            "index": {"const": 0},
+                            "delta": {
+                                "type": "object",
+                                "properties": {
+                                    "role": {"const": "assistant"},
+                                    "content": {"type": "string"},
+                                    "function_call": {"type": "object"},
+                                    "tool_calls": {"type": "array"},
+                                },
+                            },
+                            "finish_reason": {"anyOf": [FINISH_REASON, {"type": "null"}]},
+                        },
+                    },
+                },
+                "usage": USAGE,
+            },
+        },
+        "Model": {
+            "type": "object",
+            "required": ["id", "object", "created", "owned_by"],
+            "properties": {
+                "id": {"const": MODEL_ID},
+                "object": {"const": "model"},
+                "created": {"type": "integer"},
+                "owned_by": {"type": "string"},
+                "root": {"type": "null"},
+                "parent": {"type": "null"},
+                "permission": {"type": "null"},
+            },
+        },
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "minItems": 1, "maxItems": 1, "items": _ref("Model")}},
+        },
+        "Health": {
+            "type": "object",
+            "required": ["status", "model_loaded", "queue_depth"],
+            "properties": {
+                "status": {"const": "ok"},
+                "model_loaded": {"type": "boolean"},
+                "queue_depth": {"type": "integer", "minimum": 0},
+                "engine": {"type": "object", "additionalProperties": {"type": "integer"}},
+                "server": {"type": "object", "additionalProperties": {"type": "integer"}},
+                "kv": {"type": "object", "properties": {"slots": {"type": "integer"}, "bytes": {"type": "integer"}}},
+            },
+        },
+    }
+
+
+def _paths() -> dict:
+    errors = {
+        "401": _json(ERROR, "Missing or wrong credentials (only when --api-key or --api-auth is set); with WWW-Authenticate"),
+        "405": _json(ERROR, "Method not allowed"),
+    }
+    return {
+        "/health": {
+            "get": {
+                "summary": "Liveness: model loaded, queue depth, counters. Never needs credentials",
+                "security": [{}],
+                "responses": {"200": _json(_ref("Health"), "Server state")},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics (text exposition; OpenMetrics on request)",
+                "responses": {
+                    "200": {"description": "Metrics", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                    **errors,
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This document. Never needs credentials",
+                "security": [{}],
+                "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1 document")},
+            }
+        },
+        "/v1/models": {
+            "get": {"summary": "The one model", "responses": {"200": _json(_ref("ModelList"), "Model list"), **errors}}
+        },
+        "/v1/models/{model}": {
+            "get": {
+                "summary": "One model by id",
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json(_ref("Model"), "The model"), "404": _json(ERROR, "Unknown model id"), **errors},
+            }
+        },
+        "/v1/chat/completions": {
+            "post": {
+                "summary": "Generate the assistant's next message, as one JSON body or an SSE stream",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("ChatCompletionRequest")}}},
+                "responses": {
+                    "200": {
+                        "description": "The completion (stream false) or a stream of chunks (stream true)",
+                        "content": {
+                            "application/json": {"schema": _ref("ChatCompletion")},
+                            "text/event-stream": {"schema": _ref("ChatCompletionChunk")},
+                        },
+                    },
+                    "400": _json(ERROR, "Invalid request: the detail names the field, or the prompt is too long for the context"),
+                    "413": _json(ERROR, "Body larger than max_body_bytes"),
+                    "500": _json(ERROR, "Internal server error (no details)"),
+                    "503": _json(
+                        ERROR,
+                        "Queue full, device out of memory, or server shutting down; with Retry-After",
+                    ),
+                    **errors,
+                },
+            }
+        },
+    }
+
+
+def document(config: Config) -> dict:
+    """The document for this server's limits and credentials."""
+    schemes = {}
+    if config.api_key:
+        schemes["bearerAuth"] = {"type": "http", "scheme": "bearer"}
+    if config.api_auth:
+        schemes["basicAuth"] = {"type": "http", "scheme": "basic"}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "tornchat", "version": __version__, "description": "OpenAI-compatible chat completions"},
+        "paths": _paths(),
+        "components": {"schemas": schemas(config), "securitySchemes": schemes},
+        "security": [{name: []} for name in schemes] if auth.required(config) else [{}],
+    }
