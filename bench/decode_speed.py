@@ -1,0 +1,130 @@
+"""Decode and prefill speed of each forward, side by side in one process.
+
+For each runner (transformers' modules, the lean forward in fp32, the lean
+forward with int4 decode weights): greedy decode tokens/s after a short
+chat prompt, and prefill tokens/s of a ~2,000-token prompt fed in the
+engine's 512-token chunks. Runners take turns round by round, so load
+from other processes hits all of them alike; report the ratios. Then the
+quality of int4: per-position greedy agreement with fp32 (both fed fp32's
+choice) over fixed prompts, and perplexity on a fixed text.
+
+    python bench/decode_speed.py [--threads 2] [--steps 32] [--rounds 3]
+"""
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+from tornchat import checkpoint
+from tornchat.engine import llama, quant
+from tornchat.engine.model import PREFILL_CHUNK, HFRunner
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain why the sky is blue.",
+    "List three uses of a paperclip.",
+]
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def decode_rate(runner, prompt: list[int], steps: int) -> float:
+    cache = runner.new_cache()
+    logits = runner.forward(prompt, cache)
+    started = time.perf_counter()
+    for _ in range(steps):
+        logits = runner.forward([int(logits.argmax())], cache)
+    return steps / (time.perf_counter() - started)
+
+
+def prefill_rate(runner, tokens: list[int]) -> float:
+    cache = runner.new_cache()
+    started = time.perf_counter()
+    for start in range(0, len(tokens), PREFILL_CHUNK):
+        runner.forward(tokens[start : start + PREFILL_CHUNK], cache)
+    return len(tokens) / (time.perf_counter() - started)
+
+
+def fake_quantized(model):
+    fake = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in fake.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                proj.weight.copy_(quant.fake_quantize_int4(proj.weight, 32))
+    return fake
+
+
+def greedy_agreement(reference, candidate, prompts: list[list[int]], steps: int) -> float:
+    agree = total = 0
+    for ids in prompts:
+        ref_cache, cand_cache = reference.new_cache(), candidate.new_cache()
+        expected, got = reference.forward(ids, ref_cache), candidate.forward(ids, cand_cache)
+        for _ in range(steps):
+            token = int(expected.argmax())
+            agree += int(got.argmax()) == token
+            total += 1
+            expected, got = reference.forward([token], ref_cache), candidate.forward([token], cand_cache)
+    return agree / total
+
+
+@torch.inference_mode()
+def perplexity(model, ids: torch.Tensor) -> float:
+    return torch.exp(model(input_ids=ids, labels=ids).loss).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    parser.add_argument("--int4-steps", type=int, default=32, help="fewer where the int4 kernel is slow (no AVX-512)")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    loaded = checkpoint.load(None)
+    tokenizer, model = loaded.tokenizer, loaded.model
+    runners = {
+        "hf fp32": HFRunner(model),
+        "lean fp32": llama.LlamaRunner(model),
+        "lean int4": llama.LlamaRunner(model, quantize="int4"),
+    }
+    prompt = chat_ids(tokenizer, PROMPTS[1])
+    long_text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box on shelf {i % 17}." for i in range(400))
+    long_prompt = tokenizer(long_text)["input_ids"][:2000]
+
+    decode = {name: [] for name in runners}
+    prefill = {name: [] for name in runners}
+    for name, runner in runners.items():  # warm-up: first-call allocations and lazy inits
+        decode_rate(runner, prompt, 2)
+    for _ in range(args.rounds):
+        for name, runner in runners.items():
+            decode[name].append(decode_rate(runner, prompt, args.int4_steps if "int4" in name else args.steps))
+            prefill[name].append(prefill_rate(runner, long_prompt))
+
+    base_decode, base_prefill = statistics.median(decode["hf fp32"]), statistics.median(prefill["hf fp32"])
+    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
+          f"median of {args.rounds} rounds")
+    print("| forward | decode tokens/s | vs hf | prefill tokens/s (2,000-token prompt) | vs hf |")
+    print("|---|---|---|---|---|")
+    for name in runners:
+        d, p = statistics.median(decode[name]), statistics.median(prefill[name])
+        print(f"| {name} | {d:.1f} | {d / base_decode:.2f}x | {p:.0f} | {p / base_prefill:.2f}x |")
+
+    fake = fake_quantized(model)
+    prompts = [chat_ids(tokenizer, text) for text in PROMPTS]
+    agreement = greedy_agreement(runners["lean fp32"], llama.LlamaRunner(fake), prompts, 32)
+    text_ids = torch.tensor([tokenizer(open(__file__).read())["input_ids"][:512]])
+    ppl_fp32, ppl_int4 = perplexity(model, text_ids), perplexity(fake, text_ids)
+    print(f"int4 layers (group 32): greedy agreement with fp32 {agreement:.1%} of {len(prompts)} x 32 positions; "
+          f"perplexity on this file {ppl_fp32:.3f} (fp32) vs {ppl_int4:.3f} (int4, {ppl_int4 / ppl_fp32 - 1:+.2%})")
+
+
+if __name__ == "__main__":
+    main()
