@@ -1,8 +1,9 @@
 """Soak: many short requests from several client threads against the real server on loopback.
 
 A mix of streamed, non-streamed and abandoned (the client leaves mid-stream)
-requests over a few dozen conversations, some of them multi-turn so that KV
-slots are reused, forked and evicted. The queue is kept small so that some
+requests over a few dozen conversations; half the time a client goes on with
+its last conversation, resending it with the real reply and a new question,
+so that KV slots are extended in place, forked and evicted. The queue is kept small so that some
 requests are refused with 503. Nothing may fail otherwise, every request the
 server accepted must end as exactly one completed or cancelled generation,
 and the resident memory of the server process must stop growing once warm.
@@ -76,24 +77,26 @@ class Report:
         }
 
 
-def conversation(rng: random.Random) -> list[dict]:
-    """One to three turns on a topic: later turns share the earlier ones as a prefix."""
-    topic = rng.choice(TOPICS)
-    messages = [{"role": "user", "content": f"Tell me one fact about {topic}."}]
-    for turn in range(rng.randrange(3)):
-        messages += [
-            {"role": "assistant", "content": f"Here is fact {turn} about {topic}."},
-            {"role": "user", "content": rng.choice(["Another one.", "Shorter, please.", f"Why {topic}?"])},
-        ]
-    return messages
+FOLLOW_UPS = ["Another one.", "Shorter, please.", "Why?", "Say it differently."]
+MAX_TURNS = 6
 
 
-def one_request(url: str, rng: random.Random, max_tokens: tuple[int, int], timeout: float) -> str:
-    """Send one request; the outcome's name. Raises AssertionError for a reply that breaks the contract."""
+def conversation(rng: random.Random, history: list[dict] | None) -> list[dict]:
+    """Go on with history (the last conversation and its reply) half the time; else a new one."""
+    if history and rng.random() < 0.5:
+        return history + [{"role": "user", "content": rng.choice(FOLLOW_UPS)}]
+    return [{"role": "user", "content": f"Tell me one fact about {rng.choice(TOPICS)}."}]
+
+
+def one_request(url: str, messages: list[dict], rng: random.Random, max_tokens: tuple[int, int], timeout: float) -> tuple[str, str | None]:
+    """Send one request: the outcome's name and the reply's text, if complete.
+
+    Raises AssertionError for a reply that breaks the contract.
+    """
     kind = rng.choices(KINDS, WEIGHTS)[0]
     body = {
         "model": "m",
-        "messages": conversation(rng),
+        "messages": messages,
         "max_tokens": rng.randint(*max_tokens),
         "temperature": rng.choice([0, 0, 0, 0.8]),  # mostly greedy: its sampler step is the cheap one
         "stream": kind != "plain",
@@ -104,26 +107,26 @@ def one_request(url: str, rng: random.Random, max_tokens: tuple[int, int], timeo
         response = conn.getresponse()
         if response.status == 503:
             assert response.headers["Retry-After"] and json.loads(response.read())["detail"].startswith("Server busy")
-            return "busy"
+            return "busy", None
         assert response.status == 200, f"HTTP {response.status}: {response.read()[:200]!r}"
         if kind == "plain":
             reply = json.loads(response.read())
             assert reply["choices"][0]["finish_reason"] in ("stop", "length"), reply
             assert reply["usage"]["completion_tokens"] <= body["max_tokens"], reply
-            return "plain"
+            return "plain", reply["choices"][0]["message"]["content"]
         records = servers.sse_data(response)
         assert json.loads(next(records))["choices"][0]["delta"] == {"role": "assistant"}
         if kind == "abandon":
             for _ in range(rng.randrange(3)):  # leave at a random point
                 if next(records) == "[DONE]":
                     break
-            return "abandon"
+            return "abandon", None
         data = list(records)
         assert data[-1] == "[DONE]", f"stream without [DONE]: {data[-3:]}"
         chunks = [json.loads(d) for d in data[:-1]]
         assert not any("error" in c for c in chunks), chunks[-1]
         assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length"), chunks[-1]
-        return "stream"
+        return "stream", "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
     finally:
         conn.close()
 
@@ -146,13 +149,20 @@ def soak(
 
     def client() -> None:
         nonlocal finished
+        history = None
         while (i := next(numbers)) < requests:
             rng = random.Random(seed * 1_000_003 + i)
+            messages = conversation(rng, history)
+            text = None
             try:
-                outcome, failure = one_request(server.url, rng, max_tokens, timeout), None
+                (outcome, text), failure = one_request(server.url, messages, rng, max_tokens, timeout), None
             except Exception as exc:  # every failure is counted by kind, never raised past the soak
                 kind = "bad_reply" if isinstance(exc, AssertionError) else type(exc).__name__
                 outcome, failure = None, (kind, f"{kind}: {exc}")
+            if text is not None and len(messages) < 2 * MAX_TURNS:
+                history = messages + [{"role": "assistant", "content": text}]
+            elif outcome != "busy":
+                history = None
             with lock:
                 report.sent += 1
                 finished += 1

@@ -13,7 +13,7 @@ from tornchat.engine.model import Runner
 _clock = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the pool removes slots by object, and caches hold tensors that do not compare to a bool
 class Slot:
     cache: Any
     tokens: list[int] = field(default_factory=list)  # exactly what cache holds

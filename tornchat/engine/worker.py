@@ -60,7 +60,7 @@ class Fault:
         return check
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two equal requests are still two requests to withdraw
 class Handle:
     """A submitted request. ``cancel`` takes effect within one decode step."""
 
@@ -93,7 +93,7 @@ class EngineStats:
     )
     last_prefill_tokens: int = 0
     last_reused_tokens: int = 0
-    kv_slots: int = 0  # slots held after the last generation
+    kv_slots: int = 0  # slots held when the last generation ended (a cancelled one leaves them as they were)
     kv_bytes: int = 0  # their caches, together
 
 
@@ -185,6 +185,8 @@ class Engine:
                 counters["failed" if event.error else "completed"] += 1
                 self.stats.last_prefill_tokens = counters["prefill_tokens"] - prefill_before
                 self.stats.last_reused_tokens = counters["reused_tokens"] - reused_before
+                self.stats.kv_slots = len(self.slots.slots)
+                self.stats.kv_bytes = self.slots.total_bytes()
             handle.on_event(event)
 
         def cancelled() -> bool:
@@ -212,6 +214,3 @@ class Engine:
         except Exception as exc:
             log.exception("generation failed")
             emit(Event(error=exc))
-        finally:
-            self.stats.kv_slots = len(self.slots.slots)
-            self.stats.kv_bytes = self.slots.total_bytes()
