@@ -30,7 +30,7 @@ class Layer(NamedTuple):
     w2: torch.Tensor | quant.Int4Weight
 
 
-@dataclass
+@dataclass(eq=False)  # identity: comparing caches would compare tensors
 class KVCache:
     kv: torch.Tensor  # [layers, 2, capacity, kv_heads, head_dim]
     length: int = 0
