@@ -94,10 +94,11 @@ def generate(
                 counters["decode_steps"] += 1
         if not hit_stop_string and (rest := stops.flush()):
             emit(Event(text=rest, token_ids=tuple(unsent)))
-        usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated), cached_tokens=reused)
-        emit(Event(finish_reason=finish_reason, usage=usage))
     except BaseException:
         slots.discard(slot)
         raise
     finally:
         slots.enforce_budget()
+    # After the budget holds, so that whoever gets the last event sees the pool as it stays.
+    usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated), cached_tokens=reused)
+    emit(Event(finish_reason=finish_reason, usage=usage))

@@ -108,3 +108,4 @@ def serve(config: Config, engine) -> None:
         asyncio.run(main())
     finally:
         engine.close()
+        log.info("stopped")
