@@ -27,7 +27,7 @@ setup(
         "prometheus-client>=0.20",
     ],
     extras_require={
-        "test": ["pytest>=8", "openai>=1.40", "hypothesis>=6", "hypothesis-jsonschema>=0.23", "psutil>=5"],
+        "test": ["pytest>=8", "openai>=1.40", "hypothesis>=6", "jsonschema>=4.18", "psutil>=5"],
         # transformers[serving] brings fastapi and uvicorn for the `transformers serve` row of bench/e2e.py.
         "bench": ["matplotlib>=3.8", "openai>=1.40", "psutil>=5", "transformers[serving]==5.23.0"],
         "llamacpp": ["llama-cpp-python[server]==0.3.36"],

@@ -63,7 +63,8 @@ def generate(
         params = request.sampling
         device = logits.device
         temperature = torch.tensor([params.temperature], dtype=torch.float32, device=device)
-        top_k = torch.tensor([params.top_k], dtype=torch.int32, device=device)
+        # A top_k past the vocabulary restricts nothing; clamping keeps it in the kernel's int32.
+        top_k = torch.tensor([min(params.top_k, logits.shape[-1])], dtype=torch.int32, device=device)
         top_p = torch.tensor([params.top_p], dtype=torch.float32, device=device)
         seed = torch.tensor([secrets.randbits(62) if params.seed is None else params.seed], dtype=torch.int64, device=device)
 
