@@ -37,8 +37,13 @@ COPY configs ./configs
 RUN pip install . \
  && python3 -c "from tornchat import checkpoint; checkpoint.resolve(None)"
 
-RUN useradd --system --home /app tornchat && chown -R tornchat /var/cache/tornchat
+# A home of its own: Triton (CUDA) and Hugging Face write their caches under ~.
+RUN useradd --system --create-home --home-dir /home/tornchat tornchat && chown -R tornchat /var/cache/tornchat
 USER tornchat
 EXPOSE 8000
-HEALTHCHECK --interval=30s --timeout=5s CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health')"
+# Loading the model takes seconds; /health needs no credentials even with --api-key.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=120s CMD python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health')"
+# Exec form: tornchat is PID 1 and gets SIGTERM from `docker stop`; it
+# finishes or cancels requests in flight within 5 s and exits 0, inside
+# Docker's default 10 s. Add --log-format json for a log collector.
 CMD ["tornchat", "serve", "--host", "0.0.0.0", "--port", "8000"]
