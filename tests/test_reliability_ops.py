@@ -113,13 +113,13 @@ def test_credentials_never_logged(server):
 
 
 def test_every_log_line_is_one_json_object(server):
-    call(server, "GET", "/health")
     lines = server.log().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
     assert len(records) > 10
     assert all({"time", "level", "logger", "message"} <= set(r) for r in records)
     access = [r for r in records if r["logger"] == "tornchat.access"]
-    assert {"method", "path", "status", "total_ms"} <= set(access[-1]) and access[-1]["path"] == "/health"
+    assert all({"method", "path", "status", "prompt_tokens", "ttft_ms", "total_ms"} <= set(r) for r in access)
+    assert any(r["path"] == "/v1/chat/completions" and r["status"] == 200 and r["completion_tokens"] for r in access)
     assert any(r["status"] == 401 for r in access)
 
 
