@@ -113,6 +113,8 @@ def test_credentials_never_logged(server):
 
 
 def test_every_log_line_is_one_json_object(server):
+    assert call(server, "POST", "/v1/chat/completions", ASK, RIGHT).status == 200
+    assert call(server, "GET", "/health").status == 200  # the chat line is in the log once this is answered
     lines = server.log().splitlines()
     records = [json.loads(line) for line in lines if line.strip()]
     assert len(records) > 10
