@@ -6,6 +6,8 @@ top_k 50, top_p 0.9):
 - triton: ``tornchat.kernels.sampling_triton.sample`` (CUDA only);
 - reference: ``sample_reference``, the sort-based definition of the
   semantics (a Python loop over rows);
+- torch-sort: the usual batched framework sampler: one full sort per row,
+  top-k and top-p masks on the sorted values, torch.multinomial;
 - multinomial: softmax(logits / T) then torch.multinomial, no top-k/top-p:
   the floor of what a framework sampler costs.
 
@@ -36,6 +38,18 @@ def multinomial(logits, temperature, top_k, top_p, seed, step):
     return torch.multinomial(probs, 1)[:, 0]
 
 
+def torch_sort(logits, temperature, top_k, top_p, seed, step):
+    z = logits.float() / temperature[:, None]
+    sorted_z, order = torch.sort(z, dim=-1, descending=True)
+    kth = sorted_z.gather(1, (top_k.clamp(1, z.shape[-1]) - 1)[:, None])
+    sorted_z = sorted_z.masked_fill(sorted_z < kth, float("-inf"))
+    probs = sorted_z.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_z = sorted_z.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    choice = torch.multinomial(sorted_z.softmax(dim=-1), 1)
+    return order.gather(1, choice)[:, 0]
+
+
 def wall_ms(fn, repeats: int) -> float:
     fn()
     best = float("inf")
@@ -53,7 +67,7 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     batches, vocabs = (BATCHES[:2], VOCABS[:2]) if args.quick else (BATCHES, VOCABS)
-    methods = {"reference": sample_reference, "multinomial": multinomial}
+    methods = {"reference": sample_reference, "torch-sort": torch_sort, "multinomial": multinomial}
     if cuda:
         from triton.testing import do_bench
 
@@ -100,7 +114,7 @@ def plot(rows, meta, path: Path) -> None:
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         subset = [r for r in rows if r["batch"] == batch]
-        for name in ("triton", "reference", "multinomial"):
+        for name in ("triton", "reference", "torch-sort", "multinomial"):
             points = [(r["vocab"], r[name]) for r in subset if r.get(name) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o", label=name)

@@ -56,7 +56,8 @@ def truncation_mask(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # First index where the running sum reaches top_p; clamp guards float
         # round-off that leaves the total just below 1.
-        last = int(torch.searchsorted(cumulative, torch.tensor([top_p], dtype=cumulative.dtype)).clamp(max=vocab - 1))
+        target = torch.tensor([top_p], dtype=cumulative.dtype, device=cumulative.device)
+        last = int(torch.searchsorted(cumulative, target).clamp(max=vocab - 1))
         keep &= probs >= sorted_probs[last]
     return keep
 

@@ -57,6 +57,9 @@ COL_BOUNDS = tl.constexpr(4)  # top-k bounds at + 2 * pass, top-p bounds after t
 COL_TOTALS = tl.constexpr(4 + 4 * SEARCH_PASSES)
 COL_DRAWS = tl.constexpr(COL_TOTALS + 2 * SEARCH_PASSES * PIVOTS)
 
+# Kernels name every value they unpack, never `_`: Triton's compiler (unlike
+# its interpreter) rejects a name that changes type across an if or a loop.
+
 # The interpreter runs programs one after another in numpy, and every call of
 # a @triton.jit helper costs milliseconds there (it re-patches triton.language):
 # helpers are few and flat, and tiles are wide when interpreting. On a GPU the
@@ -137,7 +140,7 @@ def _stats_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    scale, _, _, _, _, _ = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr, vocab, GREEDY_T)
+    scale = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr, vocab, GREEDY_T)[0]
     z, keys = _load_z(logits_ptr, row * stride, offs, vocab, scale, CAP)
     ws_row = ws_ptr + row * ws_stride
     tl.atomic_max(ws_row + COL_ARGMAX, tl.max(_pack(keys, offs), axis=0))
@@ -158,15 +161,15 @@ def _search_kernel(
     """
     row = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
-    scale, _, use_k, use_p, k, p = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr, vocab, GREEDY_T)
+    scale, greedy, use_k, use_p, k, p = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr, vocab, GREEDY_T)
     active = use_p if TOP_P else use_k
     if active:
         ws_row = ws_ptr + row * ws_stride
-        zmax, max_key, _, min_key = _row_extremes(ws_row)
+        zmax, max_key, argmax, min_key = _row_extremes(ws_row)
         if TOP_P:
             tau_k = min_key
             if use_k:
-                _, tau_k = _narrow(ws_row, 0, PASSES - 1, k, False, PASSES, PIVOTS, PIV_P2)
+                lo_k, tau_k = _narrow(ws_row, 0, PASSES - 1, k, False, PASSES, PIVOTS, PIV_P2)
             lo, hi = tau_k, max_key
             if t > 0:
                 limit = p.to(tl.float64) * tl.load(ws_row + COL_TOPK_MASS).to(tl.float64)
@@ -208,17 +211,17 @@ def _draw_kernel(
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     scale, greedy, use_k, use_p, k, p = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr, vocab, GREEDY_T)
     ws_row = ws_ptr + row * ws_stride
-    zmax, max_key, _, min_key = _row_extremes(ws_row)
+    zmax, max_key, argmax, min_key = _row_extremes(ws_row)
     if zmax > float("-inf"):
         z, keys = _load_z(logits_ptr, row * stride, offs, vocab, scale, CAP)
         tl.atomic_add(ws_row + COL_SUMEXP, tl.sum((tl.exp(z - zmax) * FIXED_ONE).to(tl.int64), axis=0))
         if not greedy:
             tau = min_key
             if use_k:
-                _, tau = _narrow(ws_row, 0, PASSES - 1, k, False, PASSES, PIVOTS, PIV_P2)
+                lo_k, tau = _narrow(ws_row, 0, PASSES - 1, k, False, PASSES, PIVOTS, PIV_P2)
             if use_p:
                 limit = p.to(tl.float64) * tl.load(ws_row + COL_TOPK_MASS).to(tl.float64)
-                _, tau = _narrow(ws_row, 1, PASSES - 1, limit, True, PASSES, PIVOTS, PIV_P2)
+                lo_p, tau = _narrow(ws_row, 1, PASSES - 1, limit, True, PASSES, PIVOTS, PIV_P2)
             # tau >= the smallest finite key, so -inf (and padding) never survives.
             kept = keys >= tau
             seed = tl.load(seed_ptr + row)
@@ -226,7 +229,7 @@ def _draw_kernel(
                 d = d0 + tl.arange(0, DRAW_BLOCK)
                 counter = tl.broadcast_to(offs[None, :], (DRAW_BLOCK, BLOCK))
                 draw_step = tl.broadcast_to((step + d)[:, None], (DRAW_BLOCK, BLOCK))
-                bits, _, _, _ = tl.random.philox(seed, counter, draw_step, 0, 0)
+                bits = tl.random.philox(seed, counter, draw_step, 0, 0)[0]
                 u = tl.random.uint_to_uniform_float(bits)  # [0, 1)
                 # E = -log(1 - u) lies in [0, 16.7]: the score of a kept token is
                 # never -inf (E = 0 gives +inf, and ties go to the lowest id).
@@ -244,9 +247,9 @@ def _finalize_kernel(
     GREEDY_T: tl.constexpr, CAP: tl.constexpr, DRAW_BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    scale, greedy, _, _, _, _ = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr, vocab, GREEDY_T)
+    scale, greedy, use_k, use_p, k, p = _row_params(row, temperature_ptr, top_k_ptr, top_p_ptr, vocab, GREEDY_T)
     ws_row = ws_ptr + row * ws_stride
-    zmax, _, argmax, _ = _row_extremes(ws_row)
+    zmax, max_key, argmax, min_key = _row_extremes(ws_row)
     finite = zmax > float("-inf")
     log_sum = tl.log((tl.load(ws_row + COL_SUMEXP).to(tl.float64) / FIXED_ONE).to(tl.float32))
     for d0 in range(0, draws, DRAW_BLOCK):
@@ -256,7 +259,7 @@ def _finalize_kernel(
         ids = tl.where(greedy, argmax, winner)
         ids = tl.where(finite, ids, 0)
         ids = tl.minimum(tl.maximum(ids, 0), vocab - 1)
-        z, _ = _load_z(logits_ptr, row * stride, ids, vocab, scale, CAP)
+        z, keys = _load_z(logits_ptr, row * stride, ids, vocab, scale, CAP)
         logprobs = tl.where(finite, z - zmax - log_sum, float("-inf"))
         tl.store(ids_ptr + row * draws + d, ids, mask=mask)
         tl.store(logprobs_ptr + row * draws + d, logprobs, mask=mask)

@@ -1,14 +1,19 @@
 """The Triton sampler (through Triton's interpreter on the CPU) against the PyTorch reference."""
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the interpreter is chosen at @triton.jit
-
-import pytest
 import torch
 
-from tornchat.kernels import sample
-from tornchat.kernels import sampling_triton as kernel
-from tornchat.kernels.sampling import LOGIT_CAP, sample_reference, sanitize_logits, truncation_mask
+# Compiled kernels on a GPU; elsewhere Triton's interpreter runs them on CPU
+# tensors. The interpreter is chosen at @triton.jit, so before kernel imports.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+from tornchat.kernels import sample  # noqa: E402
+from tornchat.kernels import sampling_triton as kernel  # noqa: E402
+from tornchat.kernels.sampling import LOGIT_CAP, sample_reference, sanitize_logits, truncation_mask  # noqa: E402
 
 
 def params(rows, temperature=1.0, top_k=0, top_p=1.0, seed=0):
@@ -34,7 +39,7 @@ def awkward_rows(vocab: int) -> torch.Tensor:
     rows[3] = float("-inf")
     rows[4] = torch.randint(0, 4, (vocab,), generator=gen).float()  # heavy ties everywhere
     rows[5, : vocab // 2] = float("-inf")
-    return rows
+    return rows.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -68,7 +73,8 @@ CASES = [
 
 def test_sampled_tokens_lie_in_the_reference_keep_set():
     vocab = 1000
-    logits = torch.cat([torch.randn(len(CASES), vocab, generator=torch.Generator().manual_seed(5)) * 4, awkward_rows(vocab)])
+    random_rows = torch.randn(len(CASES), vocab, generator=torch.Generator().manual_seed(5)).to(DEVICE) * 4
+    logits = torch.cat([random_rows, awkward_rows(vocab)])
     logits[len(CASES) - 1, :30] = logits[len(CASES) - 1].max()
     cases = CASES + [(1.0, 3, 0.9)] * (logits.shape[0] - len(CASES))
     t, k, p = (torch.tensor(column) for column in zip(*cases))
@@ -89,7 +95,7 @@ def test_sampled_tokens_lie_in_the_reference_keep_set():
 
 
 def test_cross_block_search_matches_one_block():
-    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(7)) * 2
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(7)).to(DEVICE) * 2
     t, k, p, s = params(2, 0.9, 100, 0.7, seed=11)
     split = kernel.sample_draws(logits, t, k, p, s, step=0, draws=16, block=256)
     whole = kernel.sample_draws(logits, t, k, p, s, step=0, draws=16)
@@ -99,7 +105,7 @@ def test_cross_block_search_matches_one_block():
 @pytest.mark.parametrize("vocab,temperature,top_k,top_p", [(64, 1.0, 20, 0.95), (300, 0.8, 0, 0.9)])
 def test_distribution_matches_the_reference_probabilities(vocab, temperature, top_k, top_p):
     draws = 20_000
-    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(vocab)) * 2
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(vocab)).to(DEVICE) * 2
     t, k, p, s = params(1, temperature, top_k, top_p, seed=1234)
     ids, _ = kernel.sample_draws(logits, t, k, p, s, step=0, draws=draws)
     expected = keep_probs(logits[0] / temperature, top_k, top_p)
@@ -109,12 +115,12 @@ def test_distribution_matches_the_reference_probabilities(vocab, temperature, to
 
 
 def test_same_seed_same_tokens_other_seed_other_tokens():
-    logits = torch.randn(1, 800, generator=torch.Generator().manual_seed(3)).expand(2, 800)
+    logits = torch.randn(1, 800, generator=torch.Generator().manual_seed(3)).to(DEVICE).expand(2, 800)
     t, k, p, _ = params(2, 1.0, 0, 0.95)
-    seeds = torch.tensor([5, 5])
+    seeds = torch.tensor([5, 5], device=DEVICE)
     a, _ = kernel.sample_draws(logits, t, k, p, seeds, step=10, draws=32)
     b, _ = kernel.sample_draws(logits, t, k, p, seeds, step=10, draws=32)
-    c, _ = kernel.sample_draws(logits, t, k, p, torch.tensor([6, 6]), step=10, draws=32)
+    c, _ = kernel.sample_draws(logits, t, k, p, torch.tensor([6, 6], device=DEVICE), step=10, draws=32)
     assert torch.equal(a, b) and torch.equal(a[0], a[1])
     assert (a != c).float().mean() > 0.5
     # Draw d of a launch at step s is the token of step s + d.
@@ -122,18 +128,48 @@ def test_same_seed_same_tokens_other_seed_other_tokens():
     assert torch.equal(one, a[:, 3])
 
 
-def test_dispatch_interprets_cpu_tensors_on_request(monkeypatch):
-    logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(4))
-    t, k, p, s = params(2, 1.0, 10, 0.9, seed=8)
-    reference = sample_reference(logits, t, k, p, s, 2)[0]
-    monkeypatch.setenv("TORNCHAT_TRITON_INTERPRET", "1")
-    interpreted = torch.stack([sample(logits, t, k, p, s, step)[0] for step in range(2, 6)], dim=1)
-    assert torch.equal(interpreted, torch.stack([sample(logits, t, k, p, s, step)[0] for step in range(2, 6)], dim=1))
-    assert not torch.equal(interpreted, torch.stack([sample_reference(logits, t, k, p, s, st)[0] for st in range(2, 6)], 1))
+def test_dispatch_sends_cuda_tensors_and_requested_cpu_tensors_to_the_kernel(monkeypatch):
+    """sample() is the kernel on CUDA (or on CPU with TORNCHAT_TRITON_INTERPRET=1), the reference on CPU."""
+    cpu_logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(4))
+    logits = cpu_logits.to(DEVICE)
+    t, k, p, s = (x.to(DEVICE) for x in params(2, 1.0, 10, 0.9, seed=8))
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TORNCHAT_TRITON_INTERPRET", "1")
+    dispatched = torch.stack([sample(logits, t, k, p, s, step)[0] for step in range(2, 6)], dim=1)
+    kernel_ids = torch.stack([kernel.sample(logits, t, k, p, s, step)[0] for step in range(2, 6)], dim=1)
+    assert torch.equal(dispatched, kernel_ids)
     for row in range(2):
-        assert truncation_mask(logits[row], 10, 0.9)[interpreted[row]].all()
-    monkeypatch.delenv("TORNCHAT_TRITON_INTERPRET")
-    assert torch.equal(sample(logits, t, k, p, s, 2)[0], reference)
+        assert truncation_mask(logits[row], 10, 0.9)[dispatched[row]].all()
+    monkeypatch.delenv("TORNCHAT_TRITON_INTERPRET", raising=False)
+    cpu_params = [x.cpu() for x in (t, k, p, s)]
+    reference = torch.stack([sample_reference(cpu_logits, *cpu_params, step)[0] for step in range(2, 6)], dim=1)
+    assert torch.equal(torch.stack([sample(cpu_logits, *cpu_params, step)[0] for step in range(2, 6)], dim=1), reference)
+    # Different random streams: a seed reproduces tokens on one kind of device only.
+    assert not torch.equal(dispatched.cpu(), reference)
+
+
+# Real vocabularies; the interpreter runs one program per row, so the CPU takes the smallest.
+LARGE_VOCABS = [32_000, 49_152, 151_936, 262_144] if DEVICE == "cuda" else [32_000]
+
+
+@pytest.mark.parametrize("vocab", LARGE_VOCABS)
+def test_real_vocabularies_greedy_and_keep_set(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = (torch.randn(4, vocab, generator=gen) * 3).to(DEVICE)
+    logits[3, vocab // 3 : vocab // 3 + 8] = logits[3].max() + 8  # eight tied maxima holding most of the mass
+    t = torch.tensor([0.0, 0.8, 1.0, 1.2])
+    k = torch.tensor([0, 50, 0, 0])
+    p = torch.tensor([1.0, 0.9, 0.95, 0.5])
+    seed = torch.arange(4) + 17
+    ids, logprobs = kernel.sample_draws(logits, t, k, p, seed, step=3, draws=8)
+    assert ((ids >= 0) & (ids < vocab)).all()
+    assert (ids[0] == torch.argmax(logits[0])).all()
+    for row in range(1, 4):
+        z = logits[row] / float(t[row])
+        keep = truncation_mask(z, int(k[row]), float(p[row]))
+        assert keep[ids[row]].all()
+        torch.testing.assert_close(logprobs[row], torch.log_softmax(z, -1)[ids[row]], rtol=1e-4, atol=1e-4)
+    assert set(ids[3].tolist()) <= set(range(vocab // 3, vocab // 3 + 8))
 
 
 # The reference itself: it defines the semantics, so it gets its own checks.

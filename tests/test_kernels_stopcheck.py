@@ -1,15 +1,20 @@
 """The stop-check kernel (through Triton's interpreter) against the plain-Python matcher and decoded text."""
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: the interpreter is chosen at @triton.jit
-
-import random
-
-import pytest
 import torch
 
-from tornchat.kernels import stopcheck_triton as kernel
-from tornchat.kernels.stopcheck import build_stop_table, stop_check, stop_hit_reference, token_bytes
+# Compiled kernel on a GPU; elsewhere Triton's interpreter runs it on CPU
+# tensors. The interpreter is chosen at @triton.jit, so before kernel imports.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+
+from tornchat.kernels import stopcheck_triton as kernel  # noqa: E402
+from tornchat.kernels.stopcheck import build_stop_table, stop_check, stop_hit_reference, token_bytes  # noqa: E402
 
 TOY_VOCAB = (
     b"s", b"t", b"o", b"p", b"st", b"op", b"sto", b"pper", b"las", b"topper",
@@ -24,11 +29,11 @@ def windows(table, rows, vocab_size, seed):
     for _ in range(rows):
         pad = rng.choice([0, 0, 0, 1, table.window - 1])
         out.append([-1] * pad + [rng.randrange(vocab_size) for _ in range(table.window - pad)])
-    return torch.tensor(out)
+    return torch.tensor(out, device=DEVICE)
 
 
 def test_kernel_agrees_with_the_matcher_on_random_streams():
-    table = build_stop_table(TOY_VOCAB, ["stop", "pp", "é!", "sts"], eos_ids=[14])
+    table = build_stop_table(TOY_VOCAB, ["stop", "pp", "é!", "sts"], eos_ids=[14], device=DEVICE)
     window = windows(table, 250, len(TOY_VOCAB), seed=0)
     expected = [stop_hit_reference(row, table) for row in window.tolist()]
     assert 0.1 < sum(expected) / len(expected) < 0.9  # both outcomes well represented
@@ -55,7 +60,7 @@ def test_matcher_examples():
 def test_kernel_and_matcher_find_stop_strings_in_real_tokenizations(tokenizer, stops):
     """On SmolLM2 tokenizations, both flag exactly the tokens whose decoded text completes a stop string."""
     vocab = token_bytes(tokenizer)
-    table = build_stop_table(vocab, stops, [tokenizer.eos_token_id])
+    table = build_stop_table(vocab, stops, [tokenizer.eos_token_id], device=DEVICE)
     texts = [
         f"Thought: I need a tool.\nAction: search\nAction Input: weather{stops[0]} sunny",
         f"plain words then {stops[-1]}and more",
@@ -73,14 +78,17 @@ def test_kernel_and_matcher_find_stop_strings_in_real_tokenizations(tokenizer, s
             before = after
     assert sum(expected) >= 2
     assert [stop_hit_reference(row, table) for row in rows] == expected
-    assert kernel.stop_check(torch.tensor(rows), table).tolist() == expected
+    assert kernel.stop_check(torch.tensor(rows, device=DEVICE), table).tolist() == expected
 
 
-def test_eos_finishes_and_dispatch_uses_the_matcher_on_cpu(tokenizer):
+def test_eos_finishes_on_every_path(tokenizer):
+    """The matcher for CPU tensors, the kernel directly, and whatever stop_check dispatches to on DEVICE."""
     table = build_stop_table(token_bytes(tokenizer), [], [tokenizer.eos_token_id])
     window = torch.tensor([[-1, tokenizer.eos_token_id], [tokenizer.eos_token_id, 5]])
     assert stop_check(window, table).tolist() == [True, False]
-    assert kernel.stop_check(window, table).tolist() == [True, False]
+    device_table = build_stop_table(token_bytes(tokenizer), [], [tokenizer.eos_token_id], device=DEVICE)
+    assert kernel.stop_check(window.to(DEVICE), device_table).tolist() == [True, False]
+    assert stop_check(window.to(DEVICE), device_table).tolist() == [True, False]
 
 
 def test_table_limits():

@@ -201,7 +201,8 @@ class LlamaRunner:
             out = F.scaled_dot_product_attention(
                 q, keys[None, :end].transpose(1, 2), values[None, :end].transpose(1, 2), attn_mask=mask, scale=self.scale
             )
-            out = out.view(heads, n, head_dim).transpose(0, 1).reshape(n, heads * head_dim)
+            # reshape, not view: CUDA's SDPA kernels return a non-contiguous layout.
+            out = out.reshape(heads, n, head_dim).transpose(0, 1).reshape(n, heads * head_dim)
             x = x + quant.linear(out, layer.wo)
             h = F.rms_norm(x, (self.hidden,), layer.ffn_norm, self.eps)
             gate, up = quant.linear(h, layer.w13).chunk(2, dim=-1)
