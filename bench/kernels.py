@@ -3,7 +3,9 @@
 Columns (milliseconds per call of one [B, V] batch, temperature 0.8,
 top_k 50, top_p 0.9):
 
-- triton: ``tornchat.kernels.sampling_triton.sample`` (CUDA only);
+- triton: ``tornchat.kernels.sampling_triton.sample`` (CUDA only), the
+  engine's path: its launches replayed from a CUDA graph;
+- triton-eager: the same kernels launched one by one (``sample_draws``);
 - reference: ``sample_reference``, the sort-based definition of the
   semantics (a Python loop over rows);
 - torch-sort: the usual batched framework sampler: one full sort per row,
@@ -73,7 +75,7 @@ def main() -> None:
 
         from tornchat.kernels import sampling_triton
 
-        methods = {"triton": sampling_triton.sample, **methods}
+        methods = {"triton": sampling_triton.sample, "triton-eager": sampling_triton.sample_draws, **methods}
     rows = []
     for batch in batches:
         for vocab in vocabs:
@@ -85,7 +87,7 @@ def main() -> None:
                 torch.arange(batch, device=device),
                 0,
             )
-            row = {"batch": batch, "vocab": vocab, "triton": None}
+            row = {"batch": batch, "vocab": vocab, "triton": None, "triton-eager": None}
             for name, fn in methods.items():
                 call = lambda fn=fn: fn(logits, *args_)  # noqa: E731
                 row[name] = do_bench(call) if cuda else wall_ms(call, 3 if args.quick else 10)
@@ -114,7 +116,7 @@ def plot(rows, meta, path: Path) -> None:
     fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
     for ax, batch in zip(axes[0], batches):
         subset = [r for r in rows if r["batch"] == batch]
-        for name in ("triton", "reference", "torch-sort", "multinomial"):
+        for name in ("triton", "triton-eager", "reference", "torch-sort", "multinomial"):
             points = [(r["vocab"], r[name]) for r in subset if r.get(name) is not None]
             if points:
                 ax.plot(*zip(*points), marker="o", label=name)

@@ -28,6 +28,9 @@ with no host synchronisation and no data-dependent launch count:
    The same launch accumulates sum(exp(z - max)) for the log-probability.
 5. finalize: one program per row writes ids and log-probabilities.
 
+On a GPU, ``sample`` replays the sequence from a CUDA graph captured once
+per shape, so a decode step pays one launch instead of fifteen.
+
 A program only reads what earlier launches wrote (atomic totals, and the
 interval each pass stores), so no program ever waits on another within a
 launch. Rows that need no search (greedy, or k and p inactive) return at once
@@ -35,6 +38,7 @@ from the search launches.
 """
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -44,7 +48,8 @@ from tornchat.kernels.sampling import GREEDY_TEMPERATURE, LOGIT_CAP
 
 PIVOTS = 63  # per pass; 64-way narrowing
 SEARCH_PASSES = math.ceil(32 / math.log2(PIVOTS + 1))  # 2^32 int32 keys down to one
-MAX_BLOCK = 2048  # tokens per program
+MIN_BLOCK, MAX_BLOCK = 256, 2048  # tokens per program
+TARGET_PROGRAMS = 1024  # enough to fill a large GPU at batch 1; big batches get big blocks
 # Fixed-point scale of masses exp(z - max) <= 1: sums over up to 2^22 tokens fit in int64.
 FIXED_ONE = tl.constexpr(2.0**40)
 
@@ -183,7 +188,8 @@ def _search_kernel(
         tl.store(ws_row + COL_BOUNDS + 2 * phase_pass + 1, hi, mask=block == 0)
         j = tl.arange(0, PIV_P2)
         pivots = (lo - 1 + ((hi - lo + 1) * (j + 1)) // (PIVOTS + 1)).to(tl.int32)
-        totals = tl.zeros([PIV_P2], dtype=tl.int64)
+        masses = tl.zeros([PIV_P2], dtype=tl.int64)
+        counts = tl.zeros([PIV_P2], dtype=tl.int32)  # a block's counts fit; int64 arithmetic is slow on GPUs
         top_k_mass = tl.zeros([SUB], dtype=tl.int64)
         for start in range(0, BLOCK, SUB):
             offs = block * BLOCK + start + tl.arange(0, SUB)
@@ -191,11 +197,15 @@ def _search_kernel(
             above = keys[:, None] > pivots[None, :]
             if TOP_P:
                 mass = (tl.exp(z - zmax) * FIXED_ONE).to(tl.int64)
-                totals += tl.sum(tl.where(above, mass[:, None], 0), axis=0)
+                masses += tl.sum(tl.where(above, mass[:, None], 0), axis=0)
                 top_k_mass += tl.where(keys >= tau_k, mass, 0)
             else:
-                totals += tl.sum(above.to(tl.int64), axis=0)
-        tl.atomic_add(ws_row + COL_TOTALS + phase_pass * PIVOTS + j, totals, mask=j < PIVOTS)
+                counts += tl.sum(above.to(tl.int32), axis=0)
+        totals_ptr = ws_row + COL_TOTALS + phase_pass * PIVOTS + j
+        if TOP_P:
+            tl.atomic_add(totals_ptr, masses, mask=j < PIVOTS)
+        else:
+            tl.atomic_add(totals_ptr, counts.to(tl.int64), mask=j < PIVOTS)
         if TOP_P:
             if t == 0:
                 tl.atomic_add(ws_row + COL_TOPK_MASS, tl.sum(top_k_mass, axis=0))
@@ -203,7 +213,7 @@ def _search_kernel(
 
 @triton.jit
 def _draw_kernel(
-    logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, ws_ptr, ws_stride, vocab, step, draws,
+    logits_ptr, stride, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, ws_ptr, ws_stride, vocab, step_ptr, draws,
     GREEDY_T: tl.constexpr, CAP: tl.constexpr, PASSES: tl.constexpr, PIVOTS: tl.constexpr,
     PIV_P2: tl.constexpr, BLOCK: tl.constexpr, DRAW_BLOCK: tl.constexpr,
 ):
@@ -225,6 +235,7 @@ def _draw_kernel(
             # tau >= the smallest finite key, so -inf (and padding) never survives.
             kept = keys >= tau
             seed = tl.load(seed_ptr + row)
+            step = tl.load(step_ptr)  # from memory, so that a captured CUDA graph serves every step
             for d0 in range(0, draws, DRAW_BLOCK):
                 d = d0 + tl.arange(0, DRAW_BLOCK)
                 counter = tl.broadcast_to(offs[None, :], (DRAW_BLOCK, BLOCK))
@@ -284,17 +295,35 @@ def sample_draws(
     logits, so many draws in one launch test the distribution cheaply.
     No host synchronisation: every launch is queued on the current stream.
     """
-    batch, vocab = logits.shape
     device = logits.device
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    temperature = temperature.to(device=device, dtype=torch.float32)
-    top_k = top_k.to(device=device, dtype=torch.int64)
-    top_p = top_p.to(device=device, dtype=torch.float32)
-    seed = seed.to(device=device, dtype=torch.int64)
+    step_tensor = torch.full((1,), step, dtype=torch.int32, device=device)
+    return _launch(logits, *_row_tensors(temperature, top_k, top_p, seed, device), step_tensor, draws, block)
+
+
+def _row_tensors(temperature, top_k, top_p, seed, device) -> tuple[torch.Tensor, ...]:
+    """The per-row parameters in the dtypes the kernels read."""
+    return (
+        temperature.to(device=device, dtype=torch.float32),
+        top_k.to(device=device, dtype=torch.int64),
+        top_p.to(device=device, dtype=torch.float32),
+        seed.to(device=device, dtype=torch.int64),
+    )
+
+
+def _launch(logits, temperature, top_k, top_p, seed, step, draws, block):
+    """The fixed launch sequence; every tensor it reads is an argument, so it can be captured as a graph."""
+    batch, vocab = logits.shape
+    device = logits.device
     if block is None:
         # The interpreter pays per call, not per element: one program per row there.
-        block = triton.next_power_of_2(vocab) if INTERPRETING else min(MAX_BLOCK, triton.next_power_of_2(vocab))
+        if INTERPRETING:
+            block = triton.next_power_of_2(vocab)
+        else:
+            # Each program walks its block serially, once per search pass: small blocks at batch 1.
+            wanted = triton.next_power_of_2(triton.cdiv(batch * vocab, TARGET_PROGRAMS))
+            block = min(max(wanted, MIN_BLOCK), MAX_BLOCK, triton.next_power_of_2(vocab))
     if INTERPRETING:
         sub, draw_block = min(block, 4096), min(triton.next_power_of_2(draws), max(1, (1 << 18) // block))
     else:
@@ -325,7 +354,48 @@ def sample_draws(
     return ids, logprobs
 
 
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    inputs: tuple[torch.Tensor, ...]  # logits, temperature, top_k, top_p, seed, step: copied into before replay
+    outputs: tuple[torch.Tensor, torch.Tensor]
+
+
+_graphs: dict[tuple, _Graph] = {}  # one per (shape, dtype, device); the engine uses one
+
+
+def _graph_for(logits, rows) -> _Graph:
+    """Capture the launch sequence once per shape: a replay costs one launch instead of 15 (~40 us each)."""
+    key = (tuple(logits.shape), logits.dtype, logits.device)
+    if key not in _graphs:
+        inputs = (logits.clone(memory_format=torch.contiguous_format), *(r.clone() for r in rows),
+                  torch.zeros(1, dtype=torch.int32, device=logits.device))
+        side = torch.cuda.Stream(logits.device)
+        side.wait_stream(torch.cuda.current_stream(logits.device))
+        with torch.cuda.stream(side):  # compile and warm up outside the capture
+            _launch(*inputs, 1, None)
+        torch.cuda.current_stream(logits.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = _launch(*inputs, 1, None)
+        _graphs[key] = _Graph(graph, inputs, outputs)
+    return _graphs[key]
+
+
 def sample(logits, temperature, top_k, top_p, seed, step):
-    """The Triton path of ``tornchat.kernels.sample``: same contract as the reference."""
-    ids, logprobs = sample_draws(logits, temperature, top_k, top_p, seed, step)
-    return ids[:, 0], logprobs[:, 0]
+    """The Triton path of ``tornchat.kernels.sample``: same contract as the reference.
+
+    On a GPU the launches replay from a CUDA graph captured for this shape;
+    inputs are copied into its buffers on the stream, so still no host sync.
+    """
+    rows = _row_tensors(temperature, top_k, top_p, seed, logits.device)
+    if INTERPRETING or not logits.is_cuda:
+        ids, logprobs = sample_draws(logits, *rows, step)
+        return ids[:, 0], logprobs[:, 0]
+    graphed = _graph_for(logits, rows)
+    for buffer, value in zip(graphed.inputs, (logits, *rows)):
+        buffer.copy_(value)
+    graphed.inputs[-1].fill_(step)
+    graphed.graph.replay()
+    ids, logprobs = graphed.outputs
+    return ids[:, 0].clone(), logprobs[:, 0].clone()
