@@ -36,6 +36,11 @@ def make_runner(model: torch.nn.Module, config: Config) -> Runner:
 
 
 def build_engine(config: Config) -> Engine:
+    """Load the model on the engine's own worker thread, which then serves (``Engine.start``)."""
+    return Engine.start(lambda: _build_on_worker(config))
+
+
+def _build_on_worker(config: Config) -> Engine:
     if config.threads:
         torch.set_num_threads(config.threads)
     device = pick_device(config.device)
@@ -47,4 +52,4 @@ def build_engine(config: Config) -> Engine:
         "engine ready on %s, %s forward, %d threads, %d KV slots",
         device, type(runner).__name__, torch.get_num_threads(), config.kv_slots,
     )
-    return Engine(runner, loaded.tokenizer, stops, slots, max_queue=config.max_queue)
+    return Engine(runner, loaded.tokenizer, stops, slots, max_queue=config.max_queue, on_this_thread=True)

@@ -6,6 +6,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -98,7 +99,21 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, runner: Runner, tokenizer, stop_token_ids: frozenset[int], slots: SlotPool, max_queue: int = 16):
+    """Runs queued requests one at a time on its worker thread.
+
+    The constructor starts that thread, unless ``on_this_thread``: then the
+    calling thread is the worker and calls ``run_forever`` next (see ``start``).
+    """
+
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer,
+        stop_token_ids: frozenset[int],
+        slots: SlotPool,
+        max_queue: int = 16,
+        on_this_thread: bool = False,
+    ):
         self.runner = runner
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
@@ -109,8 +124,34 @@ class Engine:
         self._waiting: deque[Handle] = deque()
         self._wakeup = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="tornchat-decode", daemon=True)
-        self._thread.start()
+        if on_this_thread:
+            self._thread = threading.current_thread()
+        else:
+            self._thread = threading.Thread(target=self.run_forever, name="tornchat-decode", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def start(cls, build: Callable[[], "Engine"]) -> "Engine":
+        """A worker thread that calls build() (loading the model, ``on_this_thread=True``), then serves.
+
+        With OpenMP, every thread that runs torch ops gets a team of its own;
+        two teams on few cores throttle each other's barriers, and decode on
+        2 cores fell from 35 to 21 tokens/s when the model was loaded on the
+        main thread and run on this one. build's exceptions are raised here.
+        """
+        built: Future[Engine] = Future()
+
+        def work() -> None:
+            try:
+                engine = build()
+            except BaseException as exc:  # reported to the caller, which decides
+                built.set_exception(exc)
+                return
+            built.set_result(engine)
+            engine.run_forever()
+
+        threading.Thread(target=work, name="tornchat-decode", daemon=True).start()
+        return built.result()
 
     @property
     def context_length(self) -> int:
@@ -166,7 +207,8 @@ class Engine:
                 self._wakeup.wait()
             return None if self._closed else self._waiting.popleft()
 
-    def _run(self) -> None:
+    def run_forever(self) -> None:
+        """The worker loop: one request at a time until close()."""
         while (handle := self._next()) is not None:
             self._serve(handle)
 
