@@ -1,24 +1,25 @@
 """Decode and prefill speed of each forward, side by side in one process.
 
 For each runner (transformers' modules, the lean forward in fp32, the lean
-forward with int4 decode weights): greedy decode tokens/s after a short
+forward with bf16 or int4 decode weights): greedy decode tokens/s after a short
 chat prompt, and prefill tokens/s of a ~2,000-token prompt fed in the
 engine's 512-token chunks. Runners take turns round by round, so load
 from other processes hits all of them alike; report the ratios. Then the
-quality of int4: per-position greedy agreement with fp32 (both fed fp32's
-choice) over fixed prompts, and perplexity on a fixed text.
+quality of bf16 and int4: per-position greedy agreement with fp32 (both fed fp32's
+choice) over fixed prompts, and perplexity on a fixed text, both through
+the decode path (the weights a decode step reads).
 
     python bench/decode_speed.py [--threads 2] [--steps 32] [--rounds 3]
 """
 import argparse
-import copy
+import math
 import statistics
 import time
 
 import torch
 
 from tornchat import checkpoint
-from tornchat.engine import llama, quant
+from tornchat.engine import llama
 from tornchat.engine.model import PREFILL_CHUNK, HFRunner
 
 PROMPTS = [
@@ -51,17 +52,8 @@ def prefill_rate(runner, tokens: list[int]) -> float:
     return len(tokens) / (time.perf_counter() - started)
 
 
-def fake_quantized(model):
-    fake = copy.deepcopy(model)
-    with torch.no_grad():
-        for layer in fake.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                proj.weight.copy_(quant.fake_quantize_int4(proj.weight, 32))
-    return fake
-
-
 def greedy_agreement(reference, candidate, prompts: list[list[int]], steps: int) -> float:
+    """Share of positions where candidate's greedy choice equals reference's, both fed reference's choice."""
     agree = total = 0
     for ids in prompts:
         ref_cache, cand_cache = reference.new_cache(), candidate.new_cache()
@@ -74,9 +66,13 @@ def greedy_agreement(reference, candidate, prompts: list[list[int]], steps: int)
     return agree / total
 
 
-@torch.inference_mode()
-def perplexity(model, ids: torch.Tensor) -> float:
-    return torch.exp(model(input_ids=ids, labels=ids).loss).item()
+def decode_perplexity(runner, ids: list[int]) -> float:
+    """Perplexity of ids with every token fed as a decode step: the weights decode really reads."""
+    cache, nll = runner.new_cache(), 0.0
+    for position, token in enumerate(ids[:-1]):
+        logits = runner.forward([token], cache)
+        nll -= float(torch.log_softmax(logits, dim=-1)[ids[position + 1]])
+    return math.exp(nll / (len(ids) - 1))
 
 
 def main() -> None:
@@ -85,6 +81,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     parser.add_argument("--int4-steps", type=int, default=32, help="fewer where the int4 kernel is slow (no AVX-512)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ppl-tokens", type=int, default=256, help="tokens of the perplexity text")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -93,6 +90,7 @@ def main() -> None:
     runners = {
         "hf fp32": HFRunner(model),
         "lean fp32": llama.LlamaRunner(model),
+        "lean bf16": llama.LlamaRunner(model, quantize="bf16"),
         "lean int4": llama.LlamaRunner(model, quantize="int4"),
     }
     prompt = chat_ids(tokenizer, PROMPTS[1])
@@ -117,13 +115,16 @@ def main() -> None:
         d, p = statistics.median(decode[name]), statistics.median(prefill[name])
         print(f"| {name} | {d:.1f} | {d / base_decode:.2f}x | {p:.0f} | {p / base_prefill:.2f}x |")
 
-    fake = fake_quantized(model)
     prompts = [chat_ids(tokenizer, text) for text in PROMPTS]
-    agreement = greedy_agreement(runners["lean fp32"], llama.LlamaRunner(fake), prompts, 32)
-    text_ids = torch.tensor([tokenizer(open(__file__).read())["input_ids"][:512]])
-    ppl_fp32, ppl_int4 = perplexity(model, text_ids), perplexity(fake, text_ids)
-    print(f"int4 layers (group 32): greedy agreement with fp32 {agreement:.1%} of {len(prompts)} x 32 positions; "
-          f"perplexity on this file {ppl_fp32:.3f} (fp32) vs {ppl_int4:.3f} (int4, {ppl_int4 / ppl_fp32 - 1:+.2%})")
+    text_ids = tokenizer(open(__file__).read())["input_ids"][: args.ppl_tokens]
+    reference = runners["lean fp32"]
+    ppl_fp32 = decode_perplexity(reference, text_ids)
+    print(f"quality vs lean fp32 (greedy agreement over {len(prompts)} prompts x 32 positions, both fed fp32's "
+          f"choice; perplexity of {len(text_ids)} tokens of this file fed as decode steps: fp32 {ppl_fp32:.3f})")
+    for name in ("lean bf16", "lean int4"):
+        agreement = greedy_agreement(reference, runners[name], prompts, 32)
+        ppl = decode_perplexity(runners[name], text_ids)
+        print(f"| {name} | agreement {agreement:.1%} | perplexity {ppl:.3f} ({ppl / ppl_fp32 - 1:+.2%}) |")
 
 
 if __name__ == "__main__":

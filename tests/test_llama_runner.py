@@ -140,9 +140,32 @@ def test_int4_runner_decodes_with_packed_layers_and_prefills_in_fp32(tiny_model)
     assert not torch.allclose(steps[1], steps[0], atol=1e-4)  # it really used other weights
 
 
+def test_bf16_runner_decodes_with_bf16_weights_and_fp32_activations(tiny_model):
+    fp32, bf16 = llama.LlamaRunner(tiny_model), llama.LlamaRunner(tiny_model, quantize="bf16")
+    assert all(layer.w13.dtype == torch.bfloat16 for layer in bf16.decode_layers)
+    assert bf16.decode_head.dtype == torch.bfloat16 and bf16.layers[0].w13.dtype == torch.float32
+    # What bf16 decode computes: every projection on bf16-rounded weights and inputs, the rest in fp32.
+    reference = llama.LlamaRunner(tiny_model)
+    reference.decode_layers = [
+        layer._replace(**{name: getattr(layer, name).bfloat16().float() for name in ("wqkv", "wo", "w13", "w2")})
+        for layer in reference.layers
+    ]
+    reference.decode_head = reference.lm_head.bfloat16().float()
+    tokens = list(range(50, 80))
+    caches = [r.new_cache() for r in (fp32, bf16, reference)]
+    prefill = [r.forward(tokens, c) for r, c in zip((fp32, bf16, reference), caches)]
+    torch.testing.assert_close(prefill[1], prefill[0])  # prefill reads the fp32 weights
+    steps = [r.forward([11], c) for r, c in zip((fp32, bf16, reference), caches)]
+    assert steps[1].dtype == torch.float32
+    torch.testing.assert_close(steps[1], steps[2], atol=2e-2, rtol=2e-2)  # only the inputs' rounding differs
+    assert not torch.equal(steps[1], steps[0])
+    torch.testing.assert_close(steps[1], steps[0], atol=5e-2, rtol=5e-2)
+
+
 def test_build_picks_runner(tiny_model):
     assert isinstance(make_runner(tiny_model, Config()), llama.LlamaRunner)
     assert isinstance(make_runner(tiny_model, Config(model_impl="hf")), HFRunner)
+    assert make_runner(tiny_model, Config(quantize="bf16")).decode_head.dtype == torch.bfloat16
     with pytest.raises(Exception, match="quantize int4 needs the lean forward"):
         make_runner(tiny_model, Config(model_impl="hf", quantize="int4"))
 

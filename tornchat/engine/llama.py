@@ -64,13 +64,19 @@ def interleave_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 class LlamaRunner:
-    """Implements ``model.Runner``. ``quantize="int4"`` packs layer weights for decode steps.
+    """Implements ``model.Runner``. ``quantize`` picks the weights decode steps read.
 
-    Prefill keeps the fp32 (or model dtype) weights: the int4 kernel pays
-    for a matrix-vector product, not for a 512-row chunk. The output
-    projection is never quantized: on SmolLM2 an int4 head alone raised
+    A decode step streams every weight once, so its speed is bytes per token.
+    ``bf16``: bf16 copies of the layer weights and the output projection,
+    while activations, norms and the residual stream stay fp32 (weight-only).
+    ``int4``: layer weights packed for PyTorch's int4 CPU kernel; the output
+    projection stays as it is, since on SmolLM2 an int4 head alone raised
     perplexity by 8% and changed 17% of greedy choices, while int4 layers
-    (stored as Q4_1 in its GGUF) round-trip exactly.
+    (stored as Q4_1 in its GGUF) round-trip exactly. Which one pays depends
+    on the CPU (README, bench/decode_speed.py).
+
+    Prefill keeps the model's own weights: a 512-row chunk is a matrix
+    product, bound by arithmetic rather than by bytes.
     """
 
     def __init__(self, model: torch.nn.Module, quantize: str = "none", group_size: int = 32):
@@ -98,11 +104,14 @@ class LlamaRunner:
         magnitude = torch.full_like(angles, float(rope.attention_scaling))
         self.freqs_cis = torch.polar(magnitude, angles)  # [context, head_dim / 2]
 
-        self.decode_layers = self.layers
+        self.decode_layers, self.decode_head = self.layers, self.lm_head
         if quantize == "int4":
             self.decode_layers = [self._quantize(layer, group_size) for layer in self.layers]
+        elif quantize == "bf16":
+            self.decode_layers = [self._cast(layer, torch.bfloat16) for layer in self.layers]
+            self.decode_head = self.lm_head.to(torch.bfloat16)
         elif quantize != "none":
-            raise ValueError(f"unknown quantize mode {quantize!r} (none | int4)")
+            raise ValueError(f"unknown quantize mode {quantize!r} (none | bf16 | int4)")
 
     def _fuse(self, layer) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -131,6 +140,12 @@ class LlamaRunner:
             wo=self._int4(layer.wo, group_size),
             w13=self._int4(layer.w13, group_size),
             w2=self._int4(layer.w2, group_size),
+        )
+
+    @staticmethod
+    def _cast(layer: Layer, dtype: torch.dtype) -> Layer:
+        return layer._replace(
+            wqkv=layer.wqkv.to(dtype), wo=layer.wo.to(dtype), w13=layer.w13.to(dtype), w2=layer.w2.to(dtype)
         )
 
     def _int4(self, weight: torch.Tensor, group_size: int):
@@ -172,7 +187,7 @@ class LlamaRunner:
         n, start = len(token_ids), cache.length
         end = start + n
         self._reserve(cache, end)
-        layers = self.decode_layers if n == 1 else self.layers
+        layers, head = (self.decode_layers, self.decode_head) if n == 1 else (self.layers, self.lm_head)
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         groups = heads // kv_heads
         qk_width = (heads + kv_heads) * head_dim
@@ -209,4 +224,4 @@ class LlamaRunner:
             x = x + quant.linear(F.silu(gate) * up, layer.w2)
         cache.length = end
         last = F.rms_norm(x[-1:], (self.hidden,), self.final_norm, self.eps)
-        return F.linear(last, self.lm_head)[0].float()
+        return quant.linear(last, head)[0].float()

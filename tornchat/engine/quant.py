@@ -1,4 +1,4 @@
-"""Weight-only int4 for CPU matmuls, with PyTorch's own packed kernel.
+"""Weight-only int4 (and narrower-dtype) weights for CPU matmuls, with PyTorch's own kernels.
 
 Decode reads every weight once per token, so fewer bytes per weight is
 fewer milliseconds per token. ``_weight_int4pack_mm_for_cpu`` reads 4-bit
@@ -61,8 +61,12 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> Int4Weight:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight) -> torch.Tensor:
-    """F.linear for either a plain weight or a packed one."""
-    return F.linear(x, w) if isinstance(w, torch.Tensor) else int4_linear(x, w)
+    """F.linear for a plain weight, a packed one, or one stored in a narrower dtype than x (weight-only)."""
+    if not isinstance(w, torch.Tensor):
+        return int4_linear(x, w)
+    if w.dtype != x.dtype:
+        return F.linear(x.to(w.dtype), w).to(x.dtype)
+    return F.linear(x, w)
 
 
 def int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
