@@ -258,6 +258,13 @@ def run_system(system: System, port: int, threads: int, workload: workloads.Work
     server = Server(system, port, threads)
     try:
         result = drive(server, system, port, workload, tokenizer, user_messages)
+    except Exception as exc:
+        code = server.process.poll()
+        if code is None:
+            raise
+        # A client-side "connection error" is the symptom; the server's death is the news.
+        how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+        raise RuntimeError(f"the server {how} mid-run ({exc}); log: {server.log_path}") from exc
     finally:
         peak = server.stop()
         print(f"  stopped; peak RSS {peak / 2**20:.0f} MiB (log: {server.log_path})", flush=True)
