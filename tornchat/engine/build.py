@@ -9,6 +9,7 @@ from tornchat.engine import llama
 from tornchat.engine.model import HFRunner, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.worker import Engine
+from tornchat.kernels import sample
 
 log = logging.getLogger("tornchat.engine")
 
@@ -35,6 +36,15 @@ def make_runner(model: torch.nn.Module, config: Config) -> Runner:
     return llama.LlamaRunner(model, quantize=config.quantize)
 
 
+def warm_up(runner: Runner) -> None:
+    """One forward and one sampled token before the first request, which would otherwise pay for them:
+    on CUDA, compiling the Triton sampler and capturing its graph took 7 s on an H100."""
+    logits = runner.forward([0], runner.new_cache())
+    ones = torch.ones(1, device=logits.device)
+    zeros = torch.zeros(1, dtype=torch.int64, device=logits.device)
+    sample(logits[None, :], ones, zeros, ones, zeros, 0)  # temperature 1, no top-k, top-p 1, seed 0
+
+
 def build_engine(config: Config) -> Engine:
     """Load the model on the engine's own worker thread, which then serves (``Engine.start``)."""
     return Engine.start(lambda: _build_on_worker(config))
@@ -46,6 +56,7 @@ def _build_on_worker(config: Config) -> Engine:
     device = pick_device(config.device)
     loaded = checkpoint.load(config.checkpoint_path, device=device, dtype=DTYPES[config.dtype])
     runner = make_runner(loaded.model, config)
+    warm_up(runner)
     slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024)
     stops = prompt.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
     log.info(
