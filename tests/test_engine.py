@@ -249,3 +249,22 @@ def test_slot_pool_rejects_zero_slots(tiny_model):
 
     with pytest.raises(ValueError):
         SlotPool(HFRunner(tiny_model), 0, 1 << 20)
+
+
+def test_the_model_is_built_on_the_thread_that_serves_it(tiny_checkpoint, monkeypatch):
+    """One thread does all model work: with OpenMP, a second thread running torch ops brings a second
+    team of threads, and on 2 cores that cost 40% of decode speed."""
+    from tornchat.config import Config
+    from tornchat.engine import build
+
+    built_on, served_on = [], []
+    make_runner, run_forever = build.make_runner, build.Engine.run_forever
+    monkeypatch.setattr(build, "make_runner", lambda *a: built_on.append(threading.current_thread()) or make_runner(*a))
+    monkeypatch.setattr(build.Engine, "run_forever", lambda self: served_on.append(threading.current_thread()) or run_forever(self))
+    engine = build.build_engine(Config(checkpoint_path=tiny_checkpoint, device="cpu"))
+    try:
+        _, last = run(engine, [1, 2, 3], max_tokens=2)
+        assert last.usage.completion_tokens >= 1
+        assert built_on == served_on and built_on[0] is not threading.main_thread()
+    finally:
+        engine.close()
