@@ -51,16 +51,30 @@ class StopTable:
 def token_bytes(tokenizer) -> tuple[bytes, ...]:
     """Bytes each id adds to the text the host decodes (skip_special_tokens=True): b"" for special tokens."""
     special = set(tokenizer.all_special_ids)
+    return tuple(b"" if token_id in special else spelled for token_id, spelled in enumerate(_spellings(tokenizer)))
+
+
+@functools.lru_cache(maxsize=4)
+def prompt_bytes(tokenizer) -> tuple[bytes, ...] | None:
+    """Bytes each id stands for in rendered prompt text, special tokens as their own text.
+
+    None unless the tokenizer is byte-level: elsewhere one id decoded alone
+    may not spell exactly what it adds in context (SentencePiece spaces).
+    """
+    return _spellings(tokenizer) if _byte_level_decoder(tokenizer) is not None else None
+
+
+def _spellings(tokenizer) -> tuple[bytes, ...]:
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     byte_decoder = _byte_level_decoder(tokenizer)
     vocab = []
     for token_id, piece in enumerate(pieces):
-        if token_id in special or piece is None:
+        if piece is None:
             vocab.append(b"")
         elif byte_decoder is not None and all(ch in byte_decoder for ch in piece):
             vocab.append(bytes(byte_decoder[ch] for ch in piece))
         else:
-            vocab.append(tokenizer.decode([token_id], skip_special_tokens=True).encode())
+            vocab.append(tokenizer.decode([token_id], skip_special_tokens=False).encode())
     return tuple(vocab)
 
 

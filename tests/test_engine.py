@@ -268,3 +268,40 @@ def test_the_model_is_built_on_the_thread_that_serves_it(tiny_checkpoint, monkey
         assert built_on == served_on and built_on[0] is not threading.main_thread()
     finally:
         engine.close()
+
+
+SPELLING = (b"A", b"\n", b"\n\n", b"x", b"y", b"B", b"Bx")
+
+
+def test_realign_takes_the_cached_ids_while_they_spell_the_same_bytes():
+    from tornchat.engine.slots import realign
+
+    # cached wrote "\n\n" as one token; the tokenizer's prompt has two. Same text up to "x" vs "y".
+    assert realign([0, 1, 1, 3, 4], [0, 2, 3, 3], SPELLING) == [0, 2, 3, 4]
+    assert realign([0, 1, 1, 4], [0, 2, 3], SPELLING) == [0, 2, 4]
+    assert realign([0, 3, 4], [0, 2, 3], SPELLING) == [0, 3, 4]  # other text: unchanged
+    assert realign([0, 1, 1, 4], [0, 99], SPELLING) == [0, 1, 1, 4]  # an id past the tokenizer's: no match
+    # Never longer than the prompt, whose token budget was checked: "Bx" stays one token.
+    assert realign([0, 6, 4], [0, 5, 3], SPELLING) == [0, 6, 4]
+
+
+def test_resent_text_that_tokenizes_differently_still_reuses_the_slot(tiny_model, tokenizer):
+    from tornchat.engine.model import HFRunner
+    from tornchat.engine.worker import Engine
+    from tornchat.kernels.stopcheck import prompt_bytes
+
+    runner = HFRunner(tiny_model)
+    engine = Engine(runner, tokenizer, prompt.stop_token_ids(tokenizer), SlotPool(runner, 2, 1 << 30, prompt_bytes(tokenizer)))
+    try:
+        newline, two_newlines = tokenizer.convert_tokens_to_ids(["Ċ", "ĊĊ"])
+        canonical = tokenizer("Items are:\n\n1. one, 2. two", add_special_tokens=False)["input_ids"]
+        i = canonical.index(newline)
+        assert canonical[i + 1] == newline  # the tokenizer splits "\n\n" here; SmolLM2 writes it as one token
+        as_generated = canonical[:i] + [two_newlines] + canonical[i + 2 :]
+        run(engine, as_generated, max_tokens=1)
+        resent = canonical + tokenizer(" and three", add_special_tokens=False)["input_ids"]
+        _, last = run(engine, resent, max_tokens=1)
+        assert engine.stats.last_reused_tokens == len(as_generated)  # not just up to the newline
+        assert last.usage.prompt_tokens == len(resent) - 1  # the same text, in the slot's ids
+    finally:
+        engine.close()

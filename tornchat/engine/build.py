@@ -10,6 +10,7 @@ from tornchat.engine.model import HFRunner, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.worker import Engine
 from tornchat.kernels import sample
+from tornchat.kernels.stopcheck import prompt_bytes
 
 log = logging.getLogger("tornchat.engine")
 
@@ -57,7 +58,7 @@ def _build_on_worker(config: Config) -> Engine:
     loaded = checkpoint.load(config.checkpoint_path, device=device, dtype=DTYPES[config.dtype])
     runner = make_runner(loaded.model, config)
     warm_up(runner)
-    slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024)
+    slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024, prompt_bytes(loaded.tokenizer))
     stops = prompt.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
     log.info(
         "engine ready on %s, %s forward, %d threads, %d KV slots",

@@ -47,9 +47,8 @@ def generate(
     Returns quietly if cancelled() turns true; raises on a model failure
     (after dropping the slot, whose cache may be half-written).
     """
-    prompt = request.prompt_ids
     budget = token_budget(request, runner.context_length)
-    slot, reused = slots.acquire(prompt)
+    slot, reused, prompt = slots.acquire(request.prompt_ids)  # the same text, maybe in the slot's ids
     counters["reused_tokens"] += reused
     try:
         for start in range(reused, len(prompt), PREFILL_CHUNK):

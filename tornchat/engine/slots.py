@@ -2,9 +2,11 @@
 
 Clients resend the whole conversation; a slot remembers the exact token ids
 its cache holds (generated ids included), so the next turn prefills only
-what follows the shared prefix.
+what follows the shared prefix. Where the resent text tokenizes differently
+from the ids the model generated, the prompt takes the slot's ids (realign).
 """
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,28 +30,73 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-class SlotPool:
-    """At most ``max_slots`` caches, together at most ``max_bytes``."""
+def realign(prompt: list[int], cached: list[int], spelling: Sequence[bytes]) -> list[int]:
+    """prompt, with cached's ids in place of its own for as long as both spell the same bytes.
 
-    def __init__(self, runner: Runner, max_slots: int, max_bytes: int):
+    A model's tokens for a text are not always its tokenizer's (SmolLM2
+    writes "\n\n" as one token, the tokenizer splits it in two), so a reply
+    the client sends back can tokenize differently from the ids a slot holds.
+    The result spells the same text; it is used only if no longer than prompt,
+    whose token budget has been checked.
+    """
+    start = common_prefix(cached, prompt)
+    a = b = start  # next token of cached, of prompt
+    text_a, text_b = bytearray(), bytearray()  # what cached[start:a] and prompt[start:b] spell
+    checked = 0  # bytes known to agree
+    aligned = (start, start)
+    while True:
+        if len(text_a) <= len(text_b):
+            if a == len(cached) or cached[a] >= len(spelling):  # models may have ids their tokenizer lacks
+                break
+            text_a += spelling[cached[a]]
+            a += 1
+        else:
+            if b == len(prompt):
+                break
+            text_b += spelling[prompt[b]]
+            b += 1
+        shorter = min(len(text_a), len(text_b))
+        if text_a[checked:shorter] != text_b[checked:shorter]:
+            break
+        checked = shorter
+        if len(text_a) == len(text_b):
+            aligned = (a, b)
+    a, b = aligned
+    realigned = cached[:a] + prompt[b:]
+    return realigned if len(realigned) <= len(prompt) else prompt
+
+
+class SlotPool:
+    """At most ``max_slots`` caches, together at most ``max_bytes``.
+
+    With ``spelling`` (the bytes of each token id, ``stopcheck.prompt_bytes``)
+    a prompt is matched against each slot by text as well as by ids (realign).
+    """
+
+    def __init__(self, runner: Runner, max_slots: int, max_bytes: int, spelling: Sequence[bytes] | None = None):
         if max_slots < 1:
             raise ValueError("max_slots must be >= 1")
         self.runner = runner
         self.max_slots = max_slots
         self.max_bytes = max_bytes
+        self.spelling = spelling
         self.slots: list[Slot] = []
 
-    def acquire(self, prompt: list[int]) -> tuple[Slot, int]:
-        """The slot to generate in, truncated to what it shares with prompt.
+    def acquire(self, prompt: list[int]) -> tuple[Slot, int, list[int]]:
+        """The slot to generate in, truncated to what it shares with the prompt.
 
-        Returns (slot, reused) where reused < len(prompt): even an identical
-        prompt prefills its last token, to get fresh logits.
+        Returns (slot, reused, prompt ids to use): the prompt, realigned to
+        the chosen slot's ids where they spell the same text. reused is below
+        its length: even an identical prompt prefills its last token, to get
+        fresh logits.
         """
-        best, shared = None, 0
+        best, shared, chosen = None, 0, prompt
         for slot in self.slots:
-            n = common_prefix(slot.tokens, prompt)
+            candidate = realign(prompt, slot.tokens, self.spelling) if self.spelling else prompt
+            n = common_prefix(slot.tokens, candidate)
             if n > shared or (n == shared and best is not None and slot.last_used > best.last_used):
-                best, shared = slot, n
+                best, shared, chosen = slot, n, candidate
+        prompt = chosen
         shared = min(shared, len(prompt) - 1)
         if best is None:
             best = self._fresh_slot(self.runner.new_cache(), [])
@@ -59,7 +106,7 @@ class SlotPool:
             # cutting it. Least recently used slots make room.
             best = self._fresh_slot(self.runner.fork(best.cache, shared), best.tokens[:shared])
         best.last_used = next(_clock)
-        return best, shared
+        return best, shared, prompt
 
     def _fresh_slot(self, cache, tokens: list[int]) -> Slot:
         if len(self.slots) >= self.max_slots:
