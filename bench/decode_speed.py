@@ -40,7 +40,7 @@ def decode_rate(runner, prompt: list[int], steps: int) -> float:
     logits = runner.forward(prompt, cache)
     started = time.perf_counter()
     for _ in range(steps):
-        logits = runner.forward([int(logits.argmax())], cache)
+        logits = runner.forward([int(logits.argmax())], cache, decode=True)
     return steps / (time.perf_counter() - started)
 
 
@@ -62,7 +62,7 @@ def greedy_agreement(reference, candidate, prompts: list[list[int]], steps: int)
             token = int(expected.argmax())
             agree += int(got.argmax()) == token
             total += 1
-            expected, got = reference.forward([token], ref_cache), candidate.forward([token], cand_cache)
+            expected, got = reference.forward([token], ref_cache), candidate.forward([token], cand_cache, decode=True)
     return agree / total
 
 
@@ -70,7 +70,7 @@ def decode_perplexity(runner, ids: list[int]) -> float:
     """Perplexity of ids with every token fed as a decode step: the weights decode really reads."""
     cache, nll = runner.new_cache(), 0.0
     for position, token in enumerate(ids[:-1]):
-        logits = runner.forward([token], cache)
+        logits = runner.forward([token], cache, decode=True)
         nll -= float(torch.log_softmax(logits, dim=-1)[ids[position + 1]])
     return math.exp(nll / (len(ids) - 1))
 

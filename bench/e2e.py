@@ -59,31 +59,24 @@ class System:
 
 
 def tornchat_systems(threads: int, port: int) -> list[System]:
-    """tornchat with its defaults, with int4 weights when that is not the default, and on the plain
-    transformers fp32 path when a faster one is the default: the before/after rows.
-
-    The model-path options are being added while this bench is written, so
-    they are looked up in the Config at run time rather than assumed.
-    """
+    """tornchat with its defaults, then the before/after rows: lean fp32 decode weights, int4 ones,
+    and transformers' own modules in fp32."""
     from tornchat.config import Config
 
     base = [sys.executable, "-m", "tornchat", "serve", "--port", str(port), "--threads", str(threads)]
-    if importlib.util.find_spec("tornchat.server.app") is None:
-        reason = "tornchat.server.app does not exist yet"
-        return [System("tornchat", "tornchat", base, "gpt-3.5-turbo", "/health", skip=reason)]
     defaults = Config()
     variants = [("tornchat", [])]
-    if getattr(defaults, "quantize", None) == "none":
-        variants.append(("tornchat-int4", ["--quantize", "int4"]))
-    if getattr(defaults, "model_impl", "hf") != "hf":
-        plain = ["--model-impl", "hf"] + (["--quantize", "none"] if hasattr(defaults, "quantize") else [])
-        variants.append(("tornchat-hf", plain))
+    if defaults.quantize != "none":
+        variants.append(("tornchat-fp32", ["--quantize", "none"]))
+    variants.append(("tornchat-int4", ["--quantize", "int4"]))
+    if defaults.model_impl != "hf":
+        variants.append(("tornchat-hf", ["--model-impl", "hf", "--quantize", "none"]))
     systems = []
     for name, flags in variants:
-        settings = {key: getattr(defaults, key) for key in ("model_impl", "quantize") if hasattr(defaults, key)}
+        settings = {"model_impl": defaults.model_impl, "quantize": defaults.quantize}
         settings.update({flag.lstrip("-").replace("-", "_"): value for flag, value in zip(flags[::2], flags[1::2])})
         described = ", ".join(f"{key}={value}" for key, value in settings.items())
-        label = f"tornchat{' defaults' if not flags else ''}" + (f" ({described})" if described else "")
+        label = f"tornchat{' defaults' if not flags else ''} ({described})"
         systems.append(System(name, label, base + flags, "gpt-3.5-turbo", "/health"))
     return systems
 

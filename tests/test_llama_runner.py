@@ -135,15 +135,15 @@ def test_int4_runner_decodes_with_packed_layers_and_prefills_in_fp32(tiny_model)
     caches = [r.new_cache() for r in (fp32, int4, reference)]
     prefill = [r.forward(tokens, c) for r, c in zip((fp32, int4, reference), caches)]
     torch.testing.assert_close(prefill[1], prefill[0])
-    steps = [r.forward([11], c) for r, c in zip((fp32, int4, reference), caches)]
+    steps = [r.forward([11], c, decode=True) for r, c in zip((fp32, int4, reference), caches)]
     torch.testing.assert_close(steps[1], steps[2], atol=1e-4, rtol=1e-4)
     assert not torch.allclose(steps[1], steps[0], atol=1e-4)  # it really used other weights
 
 
 def test_bf16_runner_decodes_with_bf16_weights_and_fp32_activations(tiny_model):
     fp32, bf16 = llama.LlamaRunner(tiny_model), llama.LlamaRunner(tiny_model, quantize="bf16")
-    assert all(layer.w13.dtype == torch.bfloat16 for layer in bf16.decode_layers)
-    assert bf16.decode_head.dtype == torch.bfloat16 and bf16.layers[0].w13.dtype == torch.float32
+    assert all(isinstance(layer.w13, quant.Bf16Weight) for layer in bf16.decode_layers)
+    assert isinstance(bf16.decode_head, quant.Bf16Weight) and bf16.layers[0].w13.dtype == torch.float32
     # What bf16 decode computes: every projection on bf16-rounded weights and inputs, the rest in fp32.
     reference = llama.LlamaRunner(tiny_model)
     reference.decode_layers = [
@@ -155,7 +155,9 @@ def test_bf16_runner_decodes_with_bf16_weights_and_fp32_activations(tiny_model):
     caches = [r.new_cache() for r in (fp32, bf16, reference)]
     prefill = [r.forward(tokens, c) for r, c in zip((fp32, bf16, reference), caches)]
     torch.testing.assert_close(prefill[1], prefill[0])  # prefill reads the fp32 weights
-    steps = [r.forward([11], c) for r, c in zip((fp32, bf16, reference), caches)]
+    one_token_prefill = [r.forward([11], r.new_cache()) for r in (fp32, bf16)]
+    torch.testing.assert_close(one_token_prefill[1], one_token_prefill[0])  # however short, prefill reads fp32
+    steps = [r.forward([11], c, decode=True) for r, c in zip((fp32, bf16, reference), caches)]
     assert steps[1].dtype == torch.float32
     torch.testing.assert_close(steps[1], steps[2], atol=2e-2, rtol=2e-2)  # only the inputs' rounding differs
     assert not torch.equal(steps[1], steps[0])
@@ -165,7 +167,9 @@ def test_bf16_runner_decodes_with_bf16_weights_and_fp32_activations(tiny_model):
 def test_build_picks_runner(tiny_model):
     assert isinstance(make_runner(tiny_model, Config()), llama.LlamaRunner)
     assert isinstance(make_runner(tiny_model, Config(model_impl="hf")), HFRunner)
-    assert make_runner(tiny_model, Config(quantize="bf16")).decode_head.dtype == torch.bfloat16
+    assert isinstance(make_runner(tiny_model, Config(quantize="bf16")).decode_head, quant.Bf16Weight)
+    # auto: bf16 decode weights where the CPU has bf16 hardware, fp32 elsewhere; transformers' path takes auto too.
+    assert make_runner(tiny_model, Config()).quantize == ("bf16" if torch.cpu._is_avx512_bf16_supported() else "none")
     with pytest.raises(Exception, match="quantize int4 needs the lean forward"):
         make_runner(tiny_model, Config(model_impl="hf", quantize="int4"))
 
@@ -240,7 +244,7 @@ def test_int4_greedy_and_perplexity_track_fp32(smol, smol_lean):
             token = int(expected.argmax())
             agree += int(got.argmax()) == token
             total += 1
-            expected, got = smol_lean.forward([token], fp_cache), int4.forward([token], q_cache)
+            expected, got = smol_lean.forward([token], fp_cache), int4.forward([token], q_cache, decode=True)
     # Measured 128/128 over 4 x 32: SmolLM2's layers come from Q4_1, which group-32 int4 re-packs exactly.
     assert agree / total >= 0.97
 

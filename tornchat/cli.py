@@ -27,9 +27,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="torch threads; 0 = one per core (default 0)")
     p.add_argument("--model-impl", choices=["auto", "hf", "lean"],
                    help="forward: lean for Llama/Qwen2/Mistral, transformers' modules otherwise (default auto)")
-    p.add_argument("--quantize", choices=["none", "bf16", "int4"],
-                   help="weights decode steps read (lean forward): bf16 or int4 weight-only; "
-                        "which pays depends on the CPU, see the README (default none)")
+    p.add_argument("--quantize", choices=["auto", "none", "bf16", "int4"],
+                   help="weights decode steps read (lean forward): bf16 or int4 weight-only, or none; "
+                        "auto: bf16 on CPUs with bf16 hardware, else none (default auto)")
     p.add_argument("--kv-slots", type=int, help="conversations whose KV cache is kept (default 4)")
     p.add_argument("--kv-memory-mb", type=int, help="memory bound on all KV slots together (default 2048)")
     p.add_argument("--max-queue", type=int, help="requests allowed to wait; beyond that 503 (default 16)")

@@ -25,22 +25,32 @@ def pick_device(name: str) -> str:
     return name
 
 
+def pick_quantize(name: str, device: str) -> str:
+    """auto: packed bf16 decode weights on CPUs with bf16 hardware (1.25x decode, README), else none."""
+    if name != "auto":
+        return name
+    return "bf16" if device == "cpu" and torch.cpu._is_avx512_bf16_supported() else "none"
+
+
 def make_runner(model: torch.nn.Module, config: Config) -> Runner:
     """The lean forward where the family allows it (PERF-NOTES.md), else transformers' modules."""
     reason = llama.unsupported_reason(model)
     if config.model_impl == "hf" or (config.model_impl == "auto" and reason):
-        if config.quantize != "none":
+        if config.quantize not in ("none", "auto"):
             raise checkpoint.CheckpointError(f"--quantize {config.quantize} needs the lean forward ({reason or 'model_impl is hf'})")
         return HFRunner(model)
     if reason:
         raise checkpoint.CheckpointError(f"--model-impl lean: {reason}")
-    return llama.LlamaRunner(model, quantize=config.quantize)
+    device = next(model.parameters()).device.type
+    return llama.LlamaRunner(model, quantize=pick_quantize(config.quantize, device))
 
 
 def warm_up(runner: Runner) -> None:
-    """One forward and one sampled token before the first request, which would otherwise pay for them:
-    on CUDA, compiling the Triton sampler and capturing its graph took 7 s on an H100."""
-    logits = runner.forward([0], runner.new_cache())
+    """A prefill, a decode step and a sampled token before the first request, which would otherwise pay
+    for them: on CUDA, compiling the Triton sampler and capturing its graph took 7 s on an H100."""
+    cache = runner.new_cache()
+    runner.forward([0], cache)
+    logits = runner.forward([0], cache, decode=True)
     ones = torch.ones(1, device=logits.device)
     zeros = torch.zeros(1, dtype=torch.int64, device=logits.device)
     sample(logits[None, :], ones, zeros, ones, zeros, 0)  # temperature 1, no top-k, top-p 1, seed 0
@@ -61,7 +71,7 @@ def _build_on_worker(config: Config) -> Engine:
     slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024, prompt_bytes(loaded.tokenizer))
     stops = prompt.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
     log.info(
-        "engine ready on %s, %s forward, %d threads, %d KV slots",
-        device, type(runner).__name__, torch.get_num_threads(), config.kv_slots,
+        "engine ready on %s, %s forward, decode weights %s, %d threads, %d KV slots",
+        device, type(runner).__name__, getattr(runner, "quantize", "as loaded"), torch.get_num_threads(), config.kv_slots,
     )
     return Engine(runner, loaded.tokenizer, stops, slots, max_queue=config.max_queue, on_this_thread=True)

@@ -89,7 +89,7 @@ def generate(
                 finish_reason = "stop"
                 break
             if step + 1 < budget:
-                logits = runner.forward([token], slot.cache)
+                logits = runner.forward([token], slot.cache, decode=True)
                 slot.tokens.append(token)
                 counters["decode_steps"] += 1
         if not hit_stop_string and (rest := stops.flush()):

@@ -22,12 +22,12 @@ CACHE_CHUNK = 256  # positions a cache grows by; kv_memory_mb measures what is a
 
 class Layer(NamedTuple):
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor | quant.Int4Weight
+    wqkv: torch.Tensor | quant.Int4Weight | quant.Bf16Weight  # packed ones for decode steps
     bqkv: torch.Tensor | None  # Qwen2 has q/k/v biases
-    wo: torch.Tensor | quant.Int4Weight
+    wo: torch.Tensor | quant.Int4Weight | quant.Bf16Weight
     ffn_norm: torch.Tensor
-    w13: torch.Tensor | quant.Int4Weight  # gate and up, stacked
-    w2: torch.Tensor | quant.Int4Weight
+    w13: torch.Tensor | quant.Int4Weight | quant.Bf16Weight  # gate and up, stacked
+    w2: torch.Tensor | quant.Int4Weight | quant.Bf16Weight
 
 
 @dataclass(eq=False)  # identity: comparing caches would compare tensors
@@ -67,8 +67,9 @@ class LlamaRunner:
     """Implements ``model.Runner``. ``quantize`` picks the weights decode steps read.
 
     A decode step streams every weight once, so its speed is bytes per token.
-    ``bf16``: bf16 copies of the layer weights and the output projection,
-    while activations, norms and the residual stream stay fp32 (weight-only).
+    ``bf16``: bf16 copies of the layer weights and the output projection in
+    oneDNN's packed layout, while activations, norms and the residual stream
+    stay fp32 (weight-only).
     ``int4``: layer weights packed for PyTorch's int4 CPU kernel; the output
     projection stays as it is, since on SmolLM2 an int4 head alone raised
     perplexity by 8% and changed 17% of greedy choices, while int4 layers
@@ -104,12 +105,13 @@ class LlamaRunner:
         magnitude = torch.full_like(angles, float(rope.attention_scaling))
         self.freqs_cis = torch.polar(magnitude, angles)  # [context, head_dim / 2]
 
+        self.quantize = quantize
         self.decode_layers, self.decode_head = self.layers, self.lm_head
         if quantize == "int4":
-            self.decode_layers = [self._quantize(layer, group_size) for layer in self.layers]
+            self.decode_layers = [self._pack(layer, lambda w: self._int4(w, group_size)) for layer in self.layers]
         elif quantize == "bf16":
-            self.decode_layers = [self._cast(layer, torch.bfloat16) for layer in self.layers]
-            self.decode_head = self.lm_head.to(torch.bfloat16)
+            self.decode_layers = [self._pack(layer, self._bf16) for layer in self.layers]
+            self.decode_head = self._bf16(self.lm_head)
         elif quantize != "none":
             raise ValueError(f"unknown quantize mode {quantize!r} (none | bf16 | int4)")
 
@@ -134,19 +136,14 @@ class LlamaRunner:
             w2=mlp.down_proj.weight.detach(),
         )
 
-    def _quantize(self, layer: Layer, group_size: int) -> Layer:
-        return layer._replace(
-            wqkv=self._int4(layer.wqkv, group_size),
-            wo=self._int4(layer.wo, group_size),
-            w13=self._int4(layer.w13, group_size),
-            w2=self._int4(layer.w2, group_size),
-        )
-
     @staticmethod
-    def _cast(layer: Layer, dtype: torch.dtype) -> Layer:
-        return layer._replace(
-            wqkv=layer.wqkv.to(dtype), wo=layer.wo.to(dtype), w13=layer.w13.to(dtype), w2=layer.w2.to(dtype)
-        )
+    def _pack(layer: Layer, pack) -> Layer:
+        return layer._replace(wqkv=pack(layer.wqkv), wo=pack(layer.wo), w13=pack(layer.w13), w2=pack(layer.w2))
+
+    def _bf16(self, weight: torch.Tensor):
+        if self.device.type != "cpu" or not quant.packs_bf16():
+            return weight  # oneDNN's packed linear is the CPU one
+        return quant.pack_bf16(weight)
 
     def _int4(self, weight: torch.Tensor, group_size: int):
         if self.device.type != "cpu" or not quant.supports(weight, group_size):
@@ -183,11 +180,11 @@ class LlamaRunner:
         cache.kv = kv
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], cache: KVCache) -> torch.Tensor:
+    def forward(self, token_ids: list[int], cache: KVCache, decode: bool = False) -> torch.Tensor:
         n, start = len(token_ids), cache.length
         end = start + n
         self._reserve(cache, end)
-        layers, head = (self.decode_layers, self.decode_head) if n == 1 else (self.layers, self.lm_head)
+        layers, head = (self.decode_layers, self.decode_head) if decode else (self.layers, self.lm_head)
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         groups = heads // kv_heads
         qk_width = (heads + kv_heads) * head_dim

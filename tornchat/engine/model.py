@@ -17,8 +17,14 @@ class Runner(Protocol):
 
     def new_cache(self) -> Any: ...
 
-    def forward(self, token_ids: list[int], cache: Any) -> torch.Tensor:
-        """Append token_ids to cache; return fp32 logits [V] of the last position."""
+    def forward(self, token_ids: list[int], cache: Any, decode: bool = False) -> torch.Tensor:
+        """Append token_ids to cache; return fp32 logits [V] of the last position.
+
+        ``decode``: a step after a sampled token, which may read lighter
+        weights than prefill (``--quantize``). Prefill never does, however
+        short, so that a prompt's logits do not depend on how much of it was
+        cached.
+        """
 
     def truncate(self, cache: Any, length: int) -> None:
         """Keep only the first ``length`` positions of cache."""
@@ -44,7 +50,7 @@ class HFRunner:
         return DynamicCache(config=self.model.config)
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[int], cache) -> torch.Tensor:
+    def forward(self, token_ids: list[int], cache, decode: bool = False) -> torch.Tensor:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()

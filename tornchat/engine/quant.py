@@ -1,10 +1,12 @@
-"""Weight-only int4 (and narrower-dtype) weights for CPU matmuls, with PyTorch's own kernels.
+"""Weight-only int4 and bf16 weights for CPU matmuls, with PyTorch's own kernels.
 
 Decode reads every weight once per token, so fewer bytes per weight is
 fewer milliseconds per token. ``_weight_int4pack_mm_for_cpu`` reads 4-bit
 weights with one fp32 scale and zero per group of ``group_size`` input
-features (asymmetric, as gpt-fast and llama.cpp's Q4_1 do). The int8
-kernel is slower than fp32 on these CPUs (PERF-NOTES.md), so only int4.
+features (asymmetric, as gpt-fast and llama.cpp's Q4_1 do). bf16 weights
+go through oneDNN's prepacked linear, which uses AVX-512 BF16 or AMX where
+the CPU has them. The int8 kernel is slower than fp32 on these CPUs
+(PERF-NOTES.md). Which format pays depends on the CPU (bench/decode_speed.py).
 """
 from dataclasses import dataclass
 
@@ -60,12 +62,29 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> Int4Weight:
     )
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight) -> torch.Tensor:
-    """F.linear for a plain weight, a packed one, or one stored in a narrower dtype than x (weight-only)."""
-    if not isinstance(w, torch.Tensor):
+@dataclass
+class Bf16Weight:
+    packed: torch.Tensor  # bf16, reordered once into oneDNN's blocked layout for one-row inputs
+    out_features: int
+
+
+def packs_bf16() -> bool:
+    return torch.backends.mkldnn.is_available()
+
+
+def pack_bf16(weight: torch.Tensor) -> Bf16Weight:
+    """Plain bf16 F.linear gained nothing on one row; reordered once, bf16 weights read 2.2-3.5x faster than fp32 (AMX CPU)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), 1)
+    return Bf16Weight(packed=packed, out_features=weight.shape[0])
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight | Bf16Weight) -> torch.Tensor:
+    """F.linear for a plain weight or a packed one; packed weights are weight-only: x keeps its dtype."""
+    if isinstance(w, Int4Weight):
         return int4_linear(x, w)
-    if w.dtype != x.dtype:
-        return F.linear(x.to(w.dtype), w).to(x.dtype)
+    if isinstance(w, Bf16Weight):
+        out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w.packed, None, "none", [None], "")
+        return out.to(x.dtype)
     return F.linear(x, w)
 
 
