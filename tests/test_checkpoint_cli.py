@@ -48,6 +48,12 @@ def test_bad_config_file_is_a_one_line_error(tmp_path):
     assert_one_line_error(start_error(tmp_path, "--config", str(cfg)), "unknown settings prot")
 
 
+def test_bad_setting_value_in_config_file_is_a_one_line_error(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("quantize: fp8\n")
+    assert_one_line_error(start_error(tmp_path, "--config", str(cfg)), "quantize is 'fp8'", "bf16")
+
+
 def test_flags_override_config_file_which_overrides_defaults(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("port: 9001\nkv_slots: 2\n")

@@ -22,12 +22,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-path", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to bind (default 8000)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the model runs (default auto)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="weight dtype (default float32)")
+    p.add_argument("--device", choices=config_module.CHOICES["device"], help="where the model runs (default auto)")
+    p.add_argument("--dtype", choices=config_module.CHOICES["dtype"], help="weight dtype (default float32)")
     p.add_argument("--threads", type=int, help="torch threads; 0 = one per core (default 0)")
-    p.add_argument("--model-impl", choices=["auto", "hf", "lean"],
+    p.add_argument("--model-impl", choices=config_module.CHOICES["model_impl"],
                    help="forward: lean for Llama/Qwen2/Mistral, transformers' modules otherwise (default auto)")
-    p.add_argument("--quantize", choices=["auto", "none", "bf16", "int4"],
+    p.add_argument("--quantize", choices=config_module.CHOICES["quantize"],
                    help="weights decode steps read (lean forward): bf16 or int4 weight-only, or none; "
                         "auto: bf16 on CPUs with bf16 hardware, else none (default auto)")
     p.add_argument("--kv-slots", type=int, help="conversations whose KV cache is kept (default 4)")
@@ -38,8 +38,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--api-auth", help="require HTTP Basic credentials user:password")
     p.add_argument("--cors-origin", help="allowed CORS origin, e.g. '*' (default: CORS off)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], help="default info")
-    p.add_argument("--log-format", choices=["text", "json"], help="json: one JSON object per line (default text)")
+    p.add_argument("--log-level", choices=config_module.CHOICES["log_level"], help="default info")
+    p.add_argument("--log-format", choices=config_module.CHOICES["log_format"], help="json: one JSON object per line (default text)")
 
 
 def main(argv: list[str] | None = None) -> int:

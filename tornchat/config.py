@@ -28,6 +28,17 @@ class Config:
     log_format: str = "text"  # text | json (one JSON object per line)
 
 
+# Settings with a fixed set of values: the flags offer these, and a config file is held to them.
+CHOICES = {
+    "device": ("auto", "cpu", "cuda"),
+    "dtype": ("float32", "bfloat16", "float16"),
+    "model_impl": ("auto", "hf", "lean"),
+    "quantize": ("auto", "none", "bf16", "int4"),
+    "log_level": ("debug", "info", "warning", "error"),
+    "log_format": ("text", "json"),
+}
+
+
 def load_yaml(path: str) -> dict:
     """Settings from a YAML file; unknown keys are an error, so typos do not pass silently."""
     data = yaml.safe_load(Path(path).read_text()) or {}
@@ -43,4 +54,7 @@ def load_yaml(path: str) -> dict:
 def build(file: str | None, overrides: dict) -> Config:
     values = load_yaml(file) if file else {}
     values.update({key: value for key, value in overrides.items() if value is not None})
+    for key, allowed in CHOICES.items():
+        if key in values and values[key] not in allowed:
+            raise ValueError(f"{key} is {values[key]!r}; expected one of {', '.join(allowed)}")
     return Config(**values)
