@@ -388,10 +388,10 @@ def sample(logits, temperature, top_k, top_p, seed, step):
     On a GPU the launches replay from a CUDA graph captured for this shape;
     inputs are copied into its buffers on the stream, so still no host sync.
     """
-    rows = _row_tensors(temperature, top_k, top_p, seed, logits.device)
     if INTERPRETING or not logits.is_cuda:
-        ids, logprobs = sample_draws(logits, *rows, step)
+        ids, logprobs = sample_draws(logits, temperature, top_k, top_p, seed, step)
         return ids[:, 0], logprobs[:, 0]
+    rows = _row_tensors(temperature, top_k, top_p, seed, logits.device)
     graphed = _graph_for(logits, rows)
     for buffer, value in zip(graphed.inputs, (logits, *rows)):
         buffer.copy_(value)

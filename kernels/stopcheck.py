@@ -54,7 +54,6 @@ def token_bytes(tokenizer) -> tuple[bytes, ...]:
     return tuple(b"" if token_id in special else spelled for token_id, spelled in enumerate(_spellings(tokenizer)))
 
 
-@functools.lru_cache(maxsize=4)
 def prompt_bytes(tokenizer) -> tuple[bytes, ...] | None:
     """Bytes each id stands for in rendered prompt text, special tokens as their own text.
 
@@ -64,6 +63,7 @@ def prompt_bytes(tokenizer) -> tuple[bytes, ...] | None:
     return _spellings(tokenizer) if _byte_level_decoder(tokenizer) is not None else None
 
 
+@functools.lru_cache(maxsize=4)
 def _spellings(tokenizer) -> tuple[bytes, ...]:
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     byte_decoder = _byte_level_decoder(tokenizer)
