@@ -59,16 +59,14 @@ class System:
 
 
 def tornchat_systems(threads: int, port: int) -> list[System]:
-    """tornchat with its defaults, then the before/after rows: lean fp32 decode weights, int4 ones,
+    """tornchat with its defaults, then the before/after rows: each decode-weight format (--quantize),
     and transformers' own modules in fp32."""
     from tornchat.config import Config
 
     base = [sys.executable, "-m", "tornchat", "serve", "--port", str(port), "--threads", str(threads)]
     defaults = Config()
     variants = [("tornchat", [])]
-    if defaults.quantize != "none":
-        variants.append(("tornchat-fp32", ["--quantize", "none"]))
-    variants.append(("tornchat-int4", ["--quantize", "int4"]))
+    variants += [(f"tornchat-{mode}", ["--quantize", mode]) for mode in ("int4", "bf16", "none") if mode != defaults.quantize]
     if defaults.model_impl != "hf":
         variants.append(("tornchat-hf", ["--model-impl", "hf", "--quantize", "none"]))
     systems = []

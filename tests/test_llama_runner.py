@@ -108,11 +108,36 @@ def test_int4_round_trip_and_kernel_match_dequantized_weights():
     dequantized = quant.fake_quantize_int4(weight, group_size=32)
     step = (weight.reshape(96, 4, 32).amax(-1) - weight.reshape(96, 4, 32).amin(-1)) / 15
     assert ((dequantized - weight).abs().reshape(96, 4, 32) <= step[..., None] / 2 + 1e-5).all()
-    # Weights already on a 16-level grid (a Q4_1 GGUF's) come back exactly.
+    # Weights already on a 16-level grid (a Q4_1 GGUF's) come back exactly, and auto knows them by that.
     torch.testing.assert_close(quant.fake_quantize_int4(dequantized, 32), dequantized, atol=1e-5, rtol=0)
+    assert quant.on_int4_grid(dequantized) and not quant.on_int4_grid(weight)
+    assert not quant.supports(torch.zeros(96, 48), 32) and not quant.on_int4_grid(torch.zeros(96, 48))
+    # The kernel computes (q - 8) * scale + zero, with scales, zeros and inputs in its own dtype.
+    q, _, _ = quant.group_levels(weight, 32)
+    scales, zeros = packed.scales_and_zeros.float().unbind(-1)  # [groups, N]
+    kernel_weight = ((q - 8) * scales.T[..., None] + zeros.T[..., None]).reshape(96, 128)
     x = torch.randn(3, 128)
-    torch.testing.assert_close(quant.linear(x, packed), F.linear(x, dequantized), atol=1e-4, rtol=1e-4)
-    assert not quant.supports(torch.zeros(96, 48), 32)
+    out = quant.linear(x, packed)
+    assert out.dtype == x.dtype
+    torch.testing.assert_close(out, F.linear(x.to(quant.kernel_dtype()).float(), kernel_weight), atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(out, F.linear(x, dequantized), atol=1e-1, rtol=2e-2)
+
+
+def test_int8_round_trip_and_kernel_match_dequantized_weights():
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128)
+    packed = quant.quantize_int8(weight)
+    assert packed.values.dtype == torch.int8 and packed.scales.shape == (96,)
+    dequantized = quant.fake_quantize_int8(weight)
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    # Half a step of rounding, plus the scale's own rounding to the kernel's dtype (bf16: 2^-9 relative).
+    assert ((dequantized - weight).abs() <= step / 2 + weight.abs() * 2**-8 + 1e-6).all()
+    assert not torch.equal(dequantized, weight)
+    x = torch.randn(3, 5, 128)  # any leading shape, like F.linear
+    out = quant.linear(x, packed)
+    assert out.shape == (3, 5, 96) and out.dtype == x.dtype
+    kernel_weight = packed.values.float() * packed.scales.float()[:, None]
+    torch.testing.assert_close(out, F.linear(x.to(quant.kernel_dtype()).float(), kernel_weight), atol=3e-2, rtol=1e-2)
 
 
 def fake_quantized(model):
@@ -129,15 +154,21 @@ def fake_quantized(model):
 def test_int4_runner_decodes_with_packed_layers_and_prefills_in_fp32(tiny_model):
     fp32, int4 = llama.LlamaRunner(tiny_model), llama.LlamaRunner(tiny_model, quantize="int4")
     assert all(isinstance(layer.w13, quant.Int4Weight) for layer in int4.decode_layers)
-    reference = llama.LlamaRunner(tiny_model)  # fp32 prefill, then int4 layers with a plain head
+    int8_head = quant.kernel_dtype() == torch.bfloat16  # elsewhere the int8 kernel is slow and the head stays
+    assert isinstance(int4.decode_head, quant.Int8Weight) == int8_head
+    # What int4 decode computes: int4 layers and an int8 head, fed inputs rounded to the kernels' dtype.
+    reference = llama.LlamaRunner(tiny_model)
     reference.decode_layers = llama.LlamaRunner(fake_quantized(tiny_model)).layers
+    if int8_head:
+        reference.decode_head = quant.fake_quantize_int8(reference.lm_head)
     tokens = list(range(50, 80))
     caches = [r.new_cache() for r in (fp32, int4, reference)]
     prefill = [r.forward(tokens, c) for r, c in zip((fp32, int4, reference), caches)]
     torch.testing.assert_close(prefill[1], prefill[0])
     steps = [r.forward([11], c, decode=True) for r, c in zip((fp32, int4, reference), caches)]
-    torch.testing.assert_close(steps[1], steps[2], atol=1e-4, rtol=1e-4)
-    assert not torch.allclose(steps[1], steps[0], atol=1e-4)  # it really used other weights
+    assert steps[1].dtype == torch.float32
+    torch.testing.assert_close(steps[1], steps[2], atol=2e-2, rtol=2e-2)
+    assert not torch.allclose(steps[1], steps[0], atol=2e-2)  # it really used other weights
 
 
 def test_bf16_runner_decodes_with_bf16_weights_and_fp32_activations(tiny_model):
@@ -168,7 +199,9 @@ def test_build_picks_runner(tiny_model):
     assert isinstance(make_runner(tiny_model, Config()), llama.LlamaRunner)
     assert isinstance(make_runner(tiny_model, Config(model_impl="hf")), HFRunner)
     assert isinstance(make_runner(tiny_model, Config(quantize="bf16")).decode_head, quant.Bf16Weight)
-    # auto: bf16 decode weights where the CPU has bf16 hardware, fp32 elsewhere; transformers' path takes auto too.
+    # auto: int4 for weights on its grid (a Q4_1 GGUF's), else bf16 where the CPU has bf16 hardware, else
+    # fp32; transformers' path takes auto too.
+    assert make_runner(fake_quantized(tiny_model), Config()).quantize == "int4"
     assert make_runner(tiny_model, Config()).quantize == ("bf16" if torch.cpu._is_avx512_bf16_supported() else "none")
     with pytest.raises(Exception, match="quantize int4 needs the lean forward"):
         make_runner(tiny_model, Config(model_impl="hf", quantize="int4"))
@@ -233,8 +266,10 @@ def test_real_model_engine_reuses_kv_like_hf(smol, smol_lean):
 
 
 def test_int4_greedy_and_perplexity_track_fp32(smol, smol_lean):
-    fake = fake_quantized(smol.model)
-    int4 = llama.LlamaRunner(fake)
+    """The default on this model: its Q4_1 layers re-pack exactly, the Q8_0 head goes to per-row int8."""
+    assert quant.on_int4_grid(smol.model.model.layers[5].self_attn.q_proj.weight)
+    assert make_runner(smol.model, Config()).quantize == "int4"
+    int4 = llama.LlamaRunner(smol.model, quantize="int4")
     agree = total = 0
     for text in PROMPTS[1:]:
         ids = chat_ids(smol.tokenizer, text)
@@ -245,10 +280,15 @@ def test_int4_greedy_and_perplexity_track_fp32(smol, smol_lean):
             agree += int(got.argmax()) == token
             total += 1
             expected, got = smol_lean.forward([token], fp_cache), int4.forward([token], q_cache, decode=True)
-    # Measured 128/128 over 4 x 32: SmolLM2's layers come from Q4_1, which group-32 int4 re-packs exactly.
-    assert agree / total >= 0.97
+    # Measured 128/128 over 4 x 32 positions (bench/decode_speed.py).
+    assert agree / total >= 0.95
 
-    text = open(__file__).read()[:2000]
-    ids = torch.tensor([smol.tokenizer(text)["input_ids"][:256]])
-    ppl = [torch.exp(m(input_ids=ids, labels=ids).loss).item() for m in (smol.model, fake)]
-    assert abs(ppl[1] / ppl[0] - 1) < 0.02
+    # Perplexity through the decode path, the weights a decode step reads.
+    ids = smol.tokenizer(open(__file__).read()[:2000])["input_ids"][:160]
+    nll = {}
+    for name, runner in (("fp32", smol_lean), ("int4", int4)):
+        cache, nll[name] = runner.new_cache(), 0.0
+        for position, token in enumerate(ids[:-1]):
+            logits = runner.forward([token], cache, decode=True)
+            nll[name] -= float(torch.log_softmax(logits, dim=-1)[ids[position + 1]])
+    assert abs(nll["int4"] / nll["fp32"] - 1) < 0.01  # measured -0.35% in perplexity on 256 tokens

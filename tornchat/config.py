@@ -15,7 +15,7 @@ class Config:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     threads: int = 0  # torch intra-op threads; 0: one per core
     model_impl: str = "auto"  # auto (lean for Llama/Qwen2/Mistral, else hf) | hf | lean
-    quantize: str = "auto"  # auto (bf16 on CPUs with bf16 hardware, else none) | none | bf16 | int4 (decode weights, lean forward)
+    quantize: str = "auto"  # auto (int4 for Q4_1 checkpoints, else bf16 on CPUs with bf16 hardware, else none) | none | bf16 | int4
     kv_slots: int = 4  # conversations whose KV cache is kept between calls
     kv_memory_mb: int = 2048  # bound on all slots together
     max_queue: int = 16  # requests waiting behind the running one; beyond: 503

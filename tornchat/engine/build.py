@@ -5,7 +5,7 @@ import torch
 
 from tornchat import checkpoint, prompt
 from tornchat.config import Config
-from tornchat.engine import llama
+from tornchat.engine import llama, quant
 from tornchat.engine.model import HFRunner, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.worker import Engine
@@ -25,11 +25,16 @@ def pick_device(name: str) -> str:
     return name
 
 
-def pick_quantize(name: str, device: str) -> str:
-    """auto: packed bf16 decode weights on CPUs with bf16 hardware (1.25x decode, README), else none."""
+def pick_quantize(name: str, model: torch.nn.Module) -> str:
+    """auto, on a CPU: int4 where the layer weights already sit on its grid (a Q4_1 GGUF, such as the
+    embedded model: lossless), else packed bf16 where the CPU has bf16 hardware, else none (README)."""
     if name != "auto":
         return name
-    return "bf16" if device == "cpu" and torch.cpu._is_avx512_bf16_supported() else "none"
+    if next(model.parameters()).device.type != "cpu":
+        return "none"
+    if quant.on_int4_grid(model.model.layers[0].mlp.down_proj.weight):
+        return "int4"
+    return "bf16" if torch.cpu._is_avx512_bf16_supported() else "none"
 
 
 def make_runner(model: torch.nn.Module, config: Config) -> Runner:
@@ -41,8 +46,7 @@ def make_runner(model: torch.nn.Module, config: Config) -> Runner:
         return HFRunner(model)
     if reason:
         raise checkpoint.CheckpointError(f"--model-impl lean: {reason}")
-    device = next(model.parameters()).device.type
-    return llama.LlamaRunner(model, quantize=pick_quantize(config.quantize, device))
+    return llama.LlamaRunner(model, quantize=pick_quantize(config.quantize, model))
 
 
 def warm_up(runner: Runner) -> None:

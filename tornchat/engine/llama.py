@@ -68,13 +68,16 @@ class LlamaRunner:
 
     A decode step streams every weight once, so its speed is bytes per token.
     ``bf16``: bf16 copies of the layer weights and the output projection in
-    oneDNN's packed layout, while activations, norms and the residual stream
-    stay fp32 (weight-only).
-    ``int4``: layer weights packed for PyTorch's int4 CPU kernel; the output
-    projection stays as it is, since on SmolLM2 an int4 head alone raised
-    perplexity by 8% and changed 17% of greedy choices, while int4 layers
-    (stored as Q4_1 in its GGUF) round-trip exactly. Which one pays depends
-    on the CPU (README, bench/decode_speed.py).
+    oneDNN's packed layout.
+    ``int4``: layer weights packed for PyTorch's int4 CPU kernel (group 32,
+    asymmetric: a Q4_1 GGUF's layers round-trip exactly), and the output
+    projection in int8 with a scale per row: on SmolLM2 an int4 head raised
+    perplexity by 8% and changed 17% of greedy choices, the int8 one neither
+    (its GGUF stores the head as Q8_0). Where the int8 kernel is slow (CPUs
+    without AVX-512 BF16), the head stays as loaded.
+    Both are weight-only: activations, norms and the residual stream stay in
+    the model's dtype, cast at each projection to what its kernel takes.
+    Which one pays depends on the CPU (README, bench/decode_speed.py).
 
     Prefill keeps the model's own weights: a 512-row chunk is a matrix
     product, bound by arithmetic rather than by bytes.
@@ -109,6 +112,7 @@ class LlamaRunner:
         self.decode_layers, self.decode_head = self.layers, self.lm_head
         if quantize == "int4":
             self.decode_layers = [self._pack(layer, lambda w: self._int4(w, group_size)) for layer in self.layers]
+            self.decode_head = self._int8(self.lm_head)
         elif quantize == "bf16":
             self.decode_layers = [self._pack(layer, self._bf16) for layer in self.layers]
             self.decode_head = self._bf16(self.lm_head)
@@ -149,6 +153,11 @@ class LlamaRunner:
         if self.device.type != "cpu" or not quant.supports(weight, group_size):
             return weight  # the packed kernel is the CPU one; odd shapes stay as they are
         return quant.quantize_int4(weight, group_size)
+
+    def _int8(self, weight: torch.Tensor):
+        if self.device.type != "cpu" or quant.kernel_dtype() == torch.float32:
+            return weight  # the int8 kernel is fast only with bf16 inputs on a CPU with AVX-512 BF16
+        return quant.quantize_int8(weight)
 
     def new_cache(self) -> KVCache:
         shape = (len(self.layers), 2, 0, self.kv_heads, self.head_dim)

@@ -1,12 +1,19 @@
-"""Weight-only int4 and bf16 weights for CPU matmuls, with PyTorch's own kernels.
+"""Weight-only int4, int8 and bf16 weights for CPU matmuls, with PyTorch's own kernels.
 
 Decode reads every weight once per token, so fewer bytes per weight is
 fewer milliseconds per token. ``_weight_int4pack_mm_for_cpu`` reads 4-bit
-weights with one fp32 scale and zero per group of ``group_size`` input
-features (asymmetric, as gpt-fast and llama.cpp's Q4_1 do). bf16 weights
-go through oneDNN's prepacked linear, which uses AVX-512 BF16 or AMX where
-the CPU has them. The int8 kernel is slower than fp32 on these CPUs
-(PERF-NOTES.md). Which format pays depends on the CPU (bench/decode_speed.py).
+weights with one scale and zero per group of ``group_size`` input features
+(asymmetric, as gpt-fast and llama.cpp's Q4_1 do); ``_weight_int8pack_mm``
+reads int8 weights with one scale per output row. bf16 weights go through
+oneDNN's prepacked linear, which uses AVX-512 BF16 or AMX where the CPU has
+them.
+
+The int4 and int8 kernels are fast only for some activation dtypes: on a
+CPU with AVX-512 BF16, 28x (int4) and 12x (int8) faster with bf16
+activations than with fp32 ones, while on a CPU without it the fp32 int4
+path was the fast one (PERF-NOTES.md). ``kernel_dtype`` picks, and packed
+weights store their scales in it. Which format pays depends on the CPU
+(bench/decode_speed.py).
 """
 from dataclasses import dataclass
 
@@ -16,12 +23,16 @@ import torch.nn.functional as F
 INNER_K_TILES = 2  # the CPU packer accepts 2, 4 or 8; it only changes the layout
 
 
+def kernel_dtype() -> torch.dtype:
+    """The activation dtype the int4 and int8 CPU kernels are fast with on this CPU."""
+    return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+
+
 @dataclass
 class Int4Weight:
     packed: torch.Tensor  # uint8 [N, K / 2], the CPU kernel's layout
-    scales_and_zeros: torch.Tensor  # [K / group_size, N, 2] in the activation dtype
+    scales_and_zeros: torch.Tensor  # [K / group_size, N, 2] in the dtype the kernel's inputs take
     group_size: int
-    out_features: int
 
 
 def supports(weight: torch.Tensor, group_size: int) -> bool:
@@ -46,6 +57,15 @@ def fake_quantize_int4(weight: torch.Tensor, group_size: int = 32) -> torch.Tens
     return (q * scales + low).reshape(weight.shape).to(weight.dtype)
 
 
+def on_int4_grid(weight: torch.Tensor, group_size: int = 32) -> bool:
+    """Whether weight already holds 16 evenly spaced levels per group, as a Q4_1 GGUF's layers do,
+    so that int4 stores it without loss."""
+    if not supports(weight, group_size):
+        return False
+    error = (fake_quantize_int4(weight, group_size) - weight).abs().max()
+    return bool(error <= 1e-5 * weight.abs().max())
+
+
 def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> Int4Weight:
     """Pack [N, K] weights for the CPU kernel."""
     n, k = weight.shape
@@ -56,10 +76,28 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32) -> Int4Weight:
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k), INNER_K_TILES)
     return Int4Weight(
         packed=packed,
-        scales_and_zeros=scales_and_zeros.transpose(0, 1).contiguous().to(weight.dtype),
+        scales_and_zeros=scales_and_zeros.transpose(0, 1).contiguous().to(kernel_dtype()),
         group_size=group_size,
-        out_features=n,
     )
+
+
+@dataclass
+class Int8Weight:
+    values: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # [N], in the dtype the kernel's inputs take
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric int8 with one scale per output row."""
+    scales = (weight.detach().float().abs().amax(dim=1) / 127).clamp(min=1e-12)
+    values = (weight.detach().float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return Int8Weight(values=values, scales=scales.to(kernel_dtype()))
+
+
+def fake_quantize_int8(weight: torch.Tensor) -> torch.Tensor:
+    """The plain weights int8 stands for (tests, quality checks)."""
+    packed = quantize_int8(weight)
+    return (packed.values.float() * packed.scales.float()[:, None]).to(weight.dtype)
 
 
 @dataclass
@@ -77,18 +115,24 @@ def pack_bf16(weight: torch.Tensor) -> Bf16Weight:
     return Bf16Weight(packed=packed)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight | Bf16Weight) -> torch.Tensor:
-    """F.linear for a plain weight or a packed one; packed weights are weight-only: x keeps its dtype."""
+def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight | Int8Weight | Bf16Weight) -> torch.Tensor:
+    """x [..., K] @ W.T -> [..., N] like F.linear without bias, for a plain weight or a packed one.
+
+    Packed weights are weight-only: x is cast to what the kernel takes, and
+    the result back to x's dtype.
+    """
     if isinstance(w, Int4Weight):
-        return int4_linear(x, w)
+        return _rows(x, w.scales_and_zeros.dtype, lambda rows: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, w.packed, w.group_size, w.scales_and_zeros))
+    if isinstance(w, Int8Weight):
+        return _rows(x, w.scales.dtype, lambda rows: torch.ops.aten._weight_int8pack_mm(rows, w.values, w.scales))
     if isinstance(w, Bf16Weight):
-        out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), w.packed, None, "none", [None], "")
-        return out.to(x.dtype)
+        return _rows(x, torch.bfloat16, lambda rows: torch.ops.mkldnn._linear_pointwise(
+            rows, w.packed, None, "none", [None], ""))
     return F.linear(x, w)
 
 
-def int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """x [..., K] @ W.T -> [..., N], like F.linear without bias."""
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w.packed, w.group_size, w.scales_and_zeros)
-    return out.reshape(*x.shape[:-1], w.out_features)
+def _rows(x: torch.Tensor, dtype: torch.dtype, kernel) -> torch.Tensor:
+    """kernel applied to x as [rows, K] in dtype, reshaped and cast back to x's."""
+    out = kernel(x.reshape(-1, x.shape[-1]).to(dtype))
+    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
