@@ -1,17 +1,19 @@
 """Decode and prefill speed of each forward, side by side in one process.
 
 For each runner (transformers' modules, the lean forward in fp32, the lean
-forward with bf16 or int4 decode weights): greedy decode tokens/s after a short
-chat prompt, and prefill tokens/s of a ~2,000-token prompt fed in the
-engine's 512-token chunks. Runners take turns round by round, so load
-from other processes hits all of them alike; report the ratios. Then the
-quality of bf16 and int4: per-position greedy agreement with fp32 (both fed fp32's
-choice) over fixed prompts, and perplexity on a fixed text, both through
-the decode path (the weights a decode step reads).
+forward with bf16 or int4 decode weights) and for llama.cpp on the same GGUF
+when llama-cpp-python is installed: greedy decode tokens/s after a short
+chat prompt and after a ~2,000-token one, and prefill tokens/s of that
+prompt (fed in the engine's 512-token chunks). Runners take turns round by
+round, so load from other processes hits all of them alike; report the
+ratios. Then the quality of bf16 and int4: per-position greedy agreement
+with fp32 (both fed fp32's choice) over fixed prompts, and perplexity on a
+fixed text, both through the decode path (the weights a decode step reads).
 
-    python bench/decode_speed.py [--threads 2] [--steps 32] [--rounds 3]
+    python bench/decode_speed.py [--threads 2] [--steps 64] [--rounds 3]
 """
 import argparse
+import importlib.util
 import math
 import statistics
 import time
@@ -52,6 +54,25 @@ def prefill_rate(runner, tokens: list[int]) -> float:
     return len(tokens) / (time.perf_counter() - started)
 
 
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python, with the calls decode_rate and prefill_rate make."""
+
+    def __init__(self, threads: int):
+        import numpy as np
+        from llama_cpp import Llama
+
+        self.np = np
+        self.llm = Llama(model_path=str(checkpoint.default_gguf_path()), n_ctx=4096, n_batch=PREFILL_CHUNK,
+                         n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def new_cache(self):
+        self.llm.reset()  # one context: a new cache empties it
+
+    def forward(self, token_ids: list[int], cache, decode: bool = False):
+        self.llm.eval(token_ids)
+        return self.np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
+
+
 def greedy_agreement(reference, candidate, prompts: list[list[int]], steps: int) -> float:
     """Share of positions where candidate's greedy choice equals reference's, both fed reference's choice."""
     agree = total = 0
@@ -78,8 +99,7 @@ def decode_perplexity(runner, ids: list[int]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
-    parser.add_argument("--int4-steps", type=int, default=32, help="fewer where the int4 kernel is slow (no AVX-512)")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps per measurement")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ppl-tokens", type=int, default=256, help="tokens of the perplexity text")
     args = parser.parse_args()
@@ -91,29 +111,35 @@ def main() -> None:
         "hf fp32": HFRunner(model),
         "lean fp32": llama.LlamaRunner(model),
         "lean bf16": llama.LlamaRunner(model, quantize="bf16"),
-        "lean int4": llama.LlamaRunner(model, quantize="int4"),
+        "lean int4 (int8 head)": llama.LlamaRunner(model, quantize="int4"),
     }
+    if importlib.util.find_spec("llama_cpp"):
+        runners["llama.cpp (Q4_1 GGUF)"] = LlamaCpp(args.threads)
+    else:
+        print("llama.cpp: not installed, skipped (pip install -e '.[llamacpp]')")
     prompt = chat_ids(tokenizer, PROMPTS[1])
     long_text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box on shelf {i % 17}." for i in range(400))
     long_prompt = tokenizer(long_text)["input_ids"][:2000]
 
     decode = {name: [] for name in runners}
+    decode_long = {name: [] for name in runners}
     prefill = {name: [] for name in runners}
     for name, runner in runners.items():  # warm-up: first-call allocations and lazy inits
         decode_rate(runner, prompt, 2)
     for _ in range(args.rounds):
         for name, runner in runners.items():
-            decode[name].append(decode_rate(runner, prompt, args.int4_steps if "int4" in name else args.steps))
+            decode[name].append(decode_rate(runner, prompt, args.steps))
+            decode_long[name].append(decode_rate(runner, long_prompt, args.steps))
             prefill[name].append(prefill_rate(runner, long_prompt))
 
     base_decode, base_prefill = statistics.median(decode["hf fp32"]), statistics.median(prefill["hf fp32"])
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"median of {args.rounds} rounds")
-    print("| forward | decode tokens/s | vs hf | prefill tokens/s (2,000-token prompt) | vs hf |")
-    print("|---|---|---|---|---|")
+    print("| forward | decode tokens/s | vs hf | decode tokens/s at 2,000 tokens | prefill tokens/s (2,000 tokens) | vs hf |")
+    print("|---|---|---|---|---|---|")
     for name in runners:
-        d, p = statistics.median(decode[name]), statistics.median(prefill[name])
-        print(f"| {name} | {d:.1f} | {d / base_decode:.2f}x | {p:.0f} | {p / base_prefill:.2f}x |")
+        d, dl, p = (statistics.median(rates[name]) for rates in (decode, decode_long, prefill))
+        print(f"| {name} | {d:.1f} | {d / base_decode:.2f}x | {dl:.1f} | {p:.0f} | {p / base_prefill:.2f}x |")
 
     prompts = [chat_ids(tokenizer, text) for text in PROMPTS]
     text_ids = tokenizer(open(__file__).read())["input_ids"][: args.ppl_tokens]
@@ -121,7 +147,7 @@ def main() -> None:
     ppl_fp32 = decode_perplexity(reference, text_ids)
     print(f"quality vs lean fp32 (greedy agreement over {len(prompts)} prompts x 32 positions, both fed fp32's "
           f"choice; perplexity of {len(text_ids)} tokens of this file fed as decode steps: fp32 {ppl_fp32:.3f})")
-    for name in ("lean bf16", "lean int4"):
+    for name in ("lean bf16", "lean int4 (int8 head)"):
         agreement = greedy_agreement(reference, runners[name], prompts, 32)
         ppl = decode_perplexity(runners[name], text_ids)
         print(f"| {name} | agreement {agreement:.1%} | perplexity {ppl:.3f} ({ppl / ppl_fp32 - 1:+.2%}) |")

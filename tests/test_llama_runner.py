@@ -133,9 +133,9 @@ def test_int8_round_trip_and_kernel_match_dequantized_weights():
     # Half a step of rounding, plus the scale's own rounding to the kernel's dtype (bf16: 2^-9 relative).
     assert ((dequantized - weight).abs() <= step / 2 + weight.abs() * 2**-8 + 1e-6).all()
     assert not torch.equal(dequantized, weight)
-    x = torch.randn(3, 5, 128)  # any leading shape, like F.linear
+    x = torch.randn(15, 128)
     out = quant.linear(x, packed)
-    assert out.shape == (3, 5, 96) and out.dtype == x.dtype
+    assert out.shape == (15, 96) and out.dtype == x.dtype
     kernel_weight = packed.values.float() * packed.scales.float()[:, None]
     torch.testing.assert_close(out, F.linear(x.to(quant.kernel_dtype()).float(), kernel_weight), atol=3e-2, rtol=1e-2)
 
@@ -161,10 +161,12 @@ def test_int4_runner_decodes_with_packed_layers_and_prefills_in_fp32(tiny_model)
     reference.decode_layers = llama.LlamaRunner(fake_quantized(tiny_model)).layers
     if int8_head:
         reference.decode_head = quant.fake_quantize_int8(reference.lm_head)
+    reference.kv_dtype = int4.kv_dtype
     tokens = list(range(50, 80))
     caches = [r.new_cache() for r in (fp32, int4, reference)]
     prefill = [r.forward(tokens, c) for r, c in zip((fp32, int4, reference), caches)]
-    torch.testing.assert_close(prefill[1], prefill[0])
+    torch.testing.assert_close(prefill[1], prefill[2], atol=0, rtol=0)  # prefill reads the fp32 weights
+    torch.testing.assert_close(prefill[1], prefill[0], atol=2e-2, rtol=2e-2)  # only the cache's dtype may differ
     steps = [r.forward([11], c, decode=True) for r, c in zip((fp32, int4, reference), caches)]
     assert steps[1].dtype == torch.float32
     torch.testing.assert_close(steps[1], steps[2], atol=2e-2, rtol=2e-2)
@@ -182,17 +184,31 @@ def test_bf16_runner_decodes_with_bf16_weights_and_fp32_activations(tiny_model):
         for layer in reference.layers
     ]
     reference.decode_head = reference.lm_head.bfloat16().float()
+    reference.kv_dtype = bf16.kv_dtype
     tokens = list(range(50, 80))
     caches = [r.new_cache() for r in (fp32, bf16, reference)]
     prefill = [r.forward(tokens, c) for r, c in zip((fp32, bf16, reference), caches)]
-    torch.testing.assert_close(prefill[1], prefill[0])  # prefill reads the fp32 weights
-    one_token_prefill = [r.forward([11], r.new_cache()) for r in (fp32, bf16)]
-    torch.testing.assert_close(one_token_prefill[1], one_token_prefill[0])  # however short, prefill reads fp32
+    torch.testing.assert_close(prefill[1], prefill[2], atol=0, rtol=0)  # prefill reads the fp32 weights
+    torch.testing.assert_close(prefill[1], prefill[0], atol=2e-2, rtol=2e-2)  # only the cache's dtype may differ
+    one_token_prefill = [r.forward([11], r.new_cache()) for r in (reference, bf16)]
+    torch.testing.assert_close(one_token_prefill[1], one_token_prefill[0], atol=0, rtol=0)  # however short
     steps = [r.forward([11], c, decode=True) for r, c in zip((fp32, bf16, reference), caches)]
     assert steps[1].dtype == torch.float32
     torch.testing.assert_close(steps[1], steps[2], atol=2e-2, rtol=2e-2)  # only the inputs' rounding differs
     assert not torch.equal(steps[1], steps[0])
     torch.testing.assert_close(steps[1], steps[0], atol=5e-2, rtol=5e-2)
+
+
+def test_packed_decode_weights_bring_a_bf16_cache_where_the_cpu_has_bf16(tiny_model):
+    bf16_hardware = quant.kernel_dtype() == torch.bfloat16
+    for mode in ("int4", "bf16"):
+        runner = llama.LlamaRunner(tiny_model, quantize=mode)
+        assert runner.new_cache().kv.dtype == (torch.bfloat16 if bf16_hardware else torch.float32)
+        cache = runner.new_cache()
+        runner.forward(list(range(40)), cache)
+        forked = runner.fork(cache, 30)  # grown and forked caches keep the dtype
+        assert forked.kv.dtype == cache.kv.dtype and runner.cache_bytes(forked) == forked.kv.numel() * forked.kv.element_size()
+    assert llama.LlamaRunner(tiny_model).new_cache().kv.dtype == torch.float32
 
 
 def test_build_picks_runner(tiny_model):

@@ -77,6 +77,9 @@ class LlamaRunner:
     without AVX-512 BF16), the head stays as loaded.
     Both are weight-only: activations, norms and the residual stream stay in
     the model's dtype, cast at each projection to what its kernel takes.
+    With either, on a CPU with AVX-512 BF16, the KV cache holds bf16 too:
+    attention over a long context reads half the bytes (decode at 2,000
+    tokens +10%, prefill +21%). Prefill and decode share that cache.
     Which one pays depends on the CPU (README, bench/decode_speed.py).
 
     Prefill keeps the model's own weights: a 512-row chunk is a matrix
@@ -118,6 +121,8 @@ class LlamaRunner:
             self.decode_head = self._bf16(self.lm_head)
         elif quantize != "none":
             raise ValueError(f"unknown quantize mode {quantize!r} (none | bf16 | int4)")
+        packed = self.device.type == "cpu" and quantize != "none"
+        self.kv_dtype = quant.kernel_dtype() if packed else self.dtype  # fp32 where bf16 attention is emulated
 
     def _fuse(self, layer) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -161,7 +166,7 @@ class LlamaRunner:
 
     def new_cache(self) -> KVCache:
         shape = (len(self.layers), 2, 0, self.kv_heads, self.head_dim)
-        return KVCache(torch.empty(shape, dtype=self.dtype, device=self.device))
+        return KVCache(torch.empty(shape, dtype=self.kv_dtype, device=self.device))
 
     def truncate(self, cache: KVCache, length: int) -> None:
         cache.length = min(cache.length, length)
@@ -214,16 +219,16 @@ class LlamaRunner:
                 qkv = qkv + layer.bqkv
             qk = qkv[:, :qk_width].reshape(n, heads + kv_heads, head_dim // 2, 2).float()
             qk = torch.view_as_real(torch.view_as_complex(qk) * freqs).to(x.dtype).view(n, heads + kv_heads, head_dim)
-            keys, values = cache.kv[i, 0], cache.kv[i, 1]  # [capacity, kv_heads, head_dim]
+            keys, values = cache.kv[i].unbind()  # [capacity, kv_heads, head_dim] each
             keys[start:end] = qk[:, heads:]
             values[start:end] = qkv[:, qk_width:].view(n, kv_heads, head_dim)
             # 4-D so that SDPA takes its fused CPU kernel rather than the math path.
-            q = qk[:, :heads].transpose(0, 1).reshape(1, kv_heads, groups * n, head_dim)
+            q = qk[:, :heads].transpose(0, 1).reshape(1, kv_heads, groups * n, head_dim).to(keys.dtype)
             out = F.scaled_dot_product_attention(
                 q, keys[None, :end].transpose(1, 2), values[None, :end].transpose(1, 2), attn_mask=mask, scale=self.scale
             )
             # reshape, not view: CUDA's SDPA kernels return a non-contiguous layout.
-            out = out.reshape(heads, n, head_dim).transpose(0, 1).reshape(n, heads * head_dim)
+            out = out.reshape(heads, n, head_dim).transpose(0, 1).reshape(n, heads * head_dim).to(x.dtype)
             x = x + quant.linear(out, layer.wo)
             h = F.rms_norm(x, (self.hidden,), layer.ffn_norm, self.eps)
             gate, up = quant.linear(h, layer.w13).chunk(2, dim=-1)

@@ -34,6 +34,10 @@ class Int4Weight:
     scales_and_zeros: torch.Tensor  # [K / group_size, N, 2] in the dtype the kernel's inputs take
     group_size: int
 
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.scales_and_zeros.dtype)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+
 
 def supports(weight: torch.Tensor, group_size: int) -> bool:
     """The CPU kernel wants K a multiple of the group and of its tile width, N even."""
@@ -86,6 +90,9 @@ class Int8Weight:
     values: torch.Tensor  # int8 [N, K]
     scales: torch.Tensor  # [N], in the dtype the kernel's inputs take
 
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x.to(self.scales.dtype), self.values, self.scales)
+
 
 def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     """Symmetric int8 with one scale per output row."""
@@ -104,6 +111,9 @@ def fake_quantize_int8(weight: torch.Tensor) -> torch.Tensor:
 class Bf16Weight:
     packed: torch.Tensor  # bf16, reordered once into oneDNN's blocked layout for one-row inputs
 
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [None], "")
+
 
 def packs_bf16() -> bool:
     return torch.backends.mkldnn.is_available()
@@ -116,23 +126,11 @@ def pack_bf16(weight: torch.Tensor) -> Bf16Weight:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight | Int8Weight | Bf16Weight) -> torch.Tensor:
-    """x [..., K] @ W.T -> [..., N] like F.linear without bias, for a plain weight or a packed one.
+    """x [rows, K] @ W.T -> [rows, N] like F.linear without bias, for a plain weight or a packed one.
 
-    Packed weights are weight-only: x is cast to what the kernel takes, and
-    the result back to x's dtype.
+    Packed weights are weight-only: each casts x to what its kernel takes,
+    and the result comes back in x's dtype.
     """
-    if isinstance(w, Int4Weight):
-        return _rows(x, w.scales_and_zeros.dtype, lambda rows: torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows, w.packed, w.group_size, w.scales_and_zeros))
-    if isinstance(w, Int8Weight):
-        return _rows(x, w.scales.dtype, lambda rows: torch.ops.aten._weight_int8pack_mm(rows, w.values, w.scales))
-    if isinstance(w, Bf16Weight):
-        return _rows(x, torch.bfloat16, lambda rows: torch.ops.mkldnn._linear_pointwise(
-            rows, w.packed, None, "none", [None], ""))
-    return F.linear(x, w)
-
-
-def _rows(x: torch.Tensor, dtype: torch.dtype, kernel) -> torch.Tensor:
-    """kernel applied to x as [rows, K] in dtype, reshaped and cast back to x's."""
-    out = kernel(x.reshape(-1, x.shape[-1]).to(dtype))
-    return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    return w.mm(x).to(x.dtype)
