@@ -52,14 +52,25 @@ def truncation_mask(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         keep &= z >= kth
     if top_p < 1.0:
         probs = torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
-        sorted_probs, _ = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # First index where the running sum reaches top_p; clamp guards float
-        # round-off that leaves the total just below 1.
-        target = torch.tensor([top_p], dtype=cumulative.dtype, device=cumulative.device)
-        last = int(torch.searchsorted(cumulative, target).clamp(max=vocab - 1))
-        keep &= probs >= sorted_probs[last]
+        keep &= probs >= nucleus_floor(probs, top_p)
     return keep
+
+
+def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The probability of the last token top-p keeps: going down the sorted probabilities, the first
+    at which the running sum reaches top_p (the last one, where round-off leaves the sum below it)."""
+    # Only the head of the sorted row matters, and a nucleus is usually a few dozen tokens: the
+    # largest 64, then 2,048, give the same running sums as a sort of the whole row (which took
+    # 2.9 ms for 49,152 tokens on the CPU), so they are tried first.
+    vocab = probs.shape[-1]
+    for count in [c for c in (64, 2048) if c < vocab] + [vocab]:
+        largest = torch.topk(probs, count).values if count < vocab else torch.sort(probs, descending=True).values
+        cumulative = torch.cumsum(largest, dim=-1)
+        if count == vocab or bool(cumulative[-1] >= top_p):
+            break
+    target = torch.tensor([top_p], dtype=cumulative.dtype, device=cumulative.device)
+    last = int(torch.searchsorted(cumulative, target).clamp(max=largest.shape[-1] - 1))
+    return largest[last]
 
 
 def sample_reference(
@@ -85,22 +96,25 @@ def sample_reference(
         # t stays an fp32 tensor: compared in fp32, the fp32 value of 0.01 is not
         # below GREEDY_TEMPERATURE (as a Python float it would be), as in the kernel.
         t, k, p = temperature[row].float(), int(top_k[row]), float(top_p[row])
-        if not torch.isfinite(row_logits).any():
-            ids[row] = 0
-            logprobs[row] = float("-inf")
-            continue
         if bool(t < GREEDY_TEMPERATURE) or k == 1:
             token = int(torch.argmax(row_logits))
+            if row_logits[token] == float("-inf"):  # no finite logit at all
+                logprobs[row] = float("-inf")
+                continue
             ids[row] = token
             logprobs[row] = torch.log_softmax(row_logits, dim=-1)[token]
             continue
         z = row_logits / t.to(row_logits.device)
-        keep = truncation_mask(z, k, p)
-        probs = torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+        kept = truncation_mask(z, k, p).nonzero()[:, 0]  # ids, ascending
+        if kept.numel() == 0:  # no finite logit at all
+            logprobs[row] = float("-inf")
+            continue
+        probs = torch.softmax(z[kept], dim=-1)
         # Exponential race (Gumbel-max in disguise): argmax p_i / E_i with
         # E_i ~ Exp(1) is an exact draw from p, and needs no cumulative sum.
-        noise = torch.empty(vocab, dtype=torch.float32).exponential_(generator=_row_generator(int(seed[row]), step))
-        token = int(torch.argmax(probs.cpu() / noise))
+        # E = -log(U), where U = 0 gives E = inf: no token wins by its noise alone.
+        noise = torch.rand(kept.numel(), generator=_row_generator(int(seed[row]), step)).log_().neg_()
+        token = int(kept[torch.argmax(probs.cpu() / noise)])
         ids[row] = token
         logprobs[row] = torch.log_softmax(z, dim=-1)[token]
     return ids, logprobs

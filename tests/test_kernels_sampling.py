@@ -13,7 +13,13 @@ import pytest  # noqa: E402
 
 from tornchat.kernels import sample  # noqa: E402
 from tornchat.kernels import sampling_triton as kernel  # noqa: E402
-from tornchat.kernels.sampling import LOGIT_CAP, sample_reference, sanitize_logits, truncation_mask  # noqa: E402
+from tornchat.kernels.sampling import (  # noqa: E402
+    LOGIT_CAP,
+    nucleus_floor,
+    sample_reference,
+    sanitize_logits,
+    truncation_mask,
+)
 
 
 def params(rows, temperature=1.0, top_k=0, top_p=1.0, seed=0):
@@ -194,6 +200,20 @@ def test_reference_truncation_keeps_ties_and_at_least_one_token():
     probs = torch.softmax(z, -1)
     # top_p just above the max's mass needs the next tokens, all three of them (tied).
     assert truncation_mask(z, 0, float(probs[0]) + 1e-3).sum() == 4
+
+
+def test_nucleus_floor_is_the_full_sorts_whatever_the_nucleus_size():
+    """The floor is looked for among the largest 64, then 2,048 tokens, before a sort of the whole row:
+    each path must give what the whole sort gives."""
+    logits = torch.randn(49_152, generator=torch.Generator().manual_seed(5)) * 4
+    sizes = []
+    for temperature, top_p in [(0.5, 0.9), (0.7, 0.8), (1.0, 0.9), (1.5, 0.9), (3.0, 0.95), (1.0, 0.0)]:
+        probs = torch.softmax(logits / temperature, dim=-1)
+        ordered = torch.sort(probs, descending=True).values
+        last = int(torch.searchsorted(torch.cumsum(ordered, -1), torch.tensor([top_p])).clamp(max=len(ordered) - 1))
+        sizes.append(last + 1)
+        assert nucleus_floor(probs, top_p) == ordered[last]
+    assert min(sizes) < 64 and any(64 < size < 2048 for size in sizes) and max(sizes) > 2048
 
 
 def test_reference_never_returns_an_out_of_range_id():
