@@ -128,9 +128,11 @@ def pack_bf16(weight: torch.Tensor) -> Bf16Weight:
 def linear(x: torch.Tensor, w: torch.Tensor | Int4Weight | Int8Weight | Bf16Weight) -> torch.Tensor:
     """x [rows, K] @ W.T -> [rows, N] like F.linear without bias, for a plain weight or a packed one.
 
-    Packed weights are weight-only: each casts x to what its kernel takes,
-    and the result comes back in x's dtype.
+    The weight decides the dtype: x is cast to what its kernel takes, and
+    the result comes back in that dtype (bf16 from packed weights on a CPU
+    with AVX-512 BF16), so that consecutive projections do not cast back
+    and forth; the residual stream's additions promote to its dtype.
     """
     if isinstance(w, torch.Tensor):
-        return F.linear(x, w)
-    return w.mm(x).to(x.dtype)
+        return F.linear(x.to(w.dtype), w)
+    return w.mm(x)
