@@ -9,7 +9,7 @@ oneDNN's prepacked linear, which uses AVX-512 BF16 or AMX where the CPU has
 them.
 
 The int4 and int8 kernels are fast only for some activation dtypes: on a
-CPU with AVX-512 BF16, 28x (int4) and 12x (int8) faster with bf16
+CPU with AVX-512 BF16, 28x (int4) and 10-12x (int8) faster with bf16
 activations than with fp32 ones, while on a CPU without it the fp32 int4
 path was the fast one (PERF-NOTES.md). ``kernel_dtype`` picks, and packed
 weights store their scales in it. Which format pays depends on the CPU
