@@ -217,7 +217,11 @@ def test_build_picks_runner(tiny_model):
     assert isinstance(make_runner(tiny_model, Config(quantize="bf16")).decode_head, quant.Bf16Weight)
     # auto: int4 for weights on its grid (a Q4_1 GGUF's), else bf16 where the CPU has bf16 hardware, else
     # fp32; transformers' path takes auto too.
-    assert make_runner(fake_quantized(tiny_model), Config()).quantize == "int4"
+    on_grid = fake_quantized(tiny_model)
+    assert make_runner(on_grid, Config()).quantize == "int4"
+    with torch.no_grad():
+        on_grid.model.layers[-1].mlp.down_proj.weight[0, 1] += 1e-3  # one value off the grid: int4 would lose it
+    assert make_runner(on_grid, Config()).quantize != "int4"
     assert make_runner(tiny_model, Config()).quantize == ("bf16" if torch.cpu._is_avx512_bf16_supported() else "none")
     with pytest.raises(Exception, match="quantize int4 needs the lean forward"):
         make_runner(tiny_model, Config(model_impl="hf", quantize="int4"))
