@@ -151,6 +151,13 @@ def fake_quantized(model):
     return fake
 
 
+def prefill_then_step(runners, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each runner prefills tokens into a cache of its own, then decodes one step: (prefill logits, step logits)."""
+    caches = [r.new_cache() for r in runners]
+    prefill = [r.forward(tokens, c) for r, c in zip(runners, caches)]
+    return prefill, [r.forward([11], c, decode=True) for r, c in zip(runners, caches)]
+
+
 def test_int4_runner_decodes_with_packed_layers_and_prefills_in_fp32(tiny_model):
     fp32, int4 = llama.LlamaRunner(tiny_model), llama.LlamaRunner(tiny_model, quantize="int4")
     assert all(isinstance(layer.w13, quant.Int4Weight) for layer in int4.decode_layers)
@@ -162,12 +169,9 @@ def test_int4_runner_decodes_with_packed_layers_and_prefills_in_fp32(tiny_model)
     if int8_head:
         reference.decode_head = quant.fake_quantize_int8(reference.lm_head)
     reference.kv_dtype = int4.kv_dtype
-    tokens = list(range(50, 80))
-    caches = [r.new_cache() for r in (fp32, int4, reference)]
-    prefill = [r.forward(tokens, c) for r, c in zip((fp32, int4, reference), caches)]
+    prefill, steps = prefill_then_step((fp32, int4, reference), list(range(50, 80)))
     torch.testing.assert_close(prefill[1], prefill[2], atol=0, rtol=0)  # prefill reads the fp32 weights
     torch.testing.assert_close(prefill[1], prefill[0], atol=2e-2, rtol=2e-2)  # only the cache's dtype may differ
-    steps = [r.forward([11], c, decode=True) for r, c in zip((fp32, int4, reference), caches)]
     assert steps[1].dtype == torch.float32
     torch.testing.assert_close(steps[1], steps[2], atol=2e-2, rtol=2e-2)
     assert not torch.allclose(steps[1], steps[0], atol=2e-2)  # it really used other weights
@@ -185,14 +189,11 @@ def test_bf16_runner_decodes_with_bf16_weights_and_fp32_activations(tiny_model):
     ]
     reference.decode_head = reference.lm_head.bfloat16().float()
     reference.kv_dtype = bf16.kv_dtype
-    tokens = list(range(50, 80))
-    caches = [r.new_cache() for r in (fp32, bf16, reference)]
-    prefill = [r.forward(tokens, c) for r, c in zip((fp32, bf16, reference), caches)]
+    prefill, steps = prefill_then_step((fp32, bf16, reference), list(range(50, 80)))
     torch.testing.assert_close(prefill[1], prefill[2], atol=0, rtol=0)  # prefill reads the fp32 weights
     torch.testing.assert_close(prefill[1], prefill[0], atol=2e-2, rtol=2e-2)  # only the cache's dtype may differ
     one_token_prefill = [r.forward([11], r.new_cache()) for r in (reference, bf16)]
     torch.testing.assert_close(one_token_prefill[1], one_token_prefill[0], atol=0, rtol=0)  # however short
-    steps = [r.forward([11], c, decode=True) for r, c in zip((fp32, bf16, reference), caches)]
     assert steps[1].dtype == torch.float32
     torch.testing.assert_close(steps[1], steps[2], atol=2e-2, rtol=2e-2)  # only the inputs' rounding differs
     assert not torch.equal(steps[1], steps[0])
