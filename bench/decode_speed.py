@@ -1,14 +1,20 @@
-"""Decode and prefill speed of each forward, side by side in one process.
+"""Decode and prefill speed of each decode format, side by side in one process, against llama.cpp.
 
-For each runner (transformers' modules, the lean forward in fp32, the lean
-forward with bf16 or int4 decode weights) and for llama.cpp on the same GGUF
-when llama-cpp-python is installed: greedy decode tokens/s after a short
-chat prompt and after a ~2,000-token one, and prefill tokens/s of that
-prompt (fed in the engine's 512-token chunks). Runners take turns round by
-round, so load from other processes hits all of them alike; report the
-ratios. Then the quality of bf16 and int4: per-position greedy agreement
-with fp32 (both fed fp32's choice) over fixed prompts, and perplexity on a
-fixed text, both through the decode path (the weights a decode step reads).
+Rows: transformers' modules; the lean forward on the model's own weights;
+each --quantize format (int4 and int8 fed bf16 inputs; the fp32-input paths
+are 10-30x slower on every CPU measured so far, and autotune's log shows
+them); the format `--quantize auto` picks on this machine (timed afresh);
+that format with the PyTorch reference ops instead of the C++ fused ones
+(the fused-ops lever); and llama.cpp on the same GGUF when llama-cpp-python
+is installed. For each: greedy decode tokens/s after a short chat prompt and
+after a ~2,000-token one, and prefill tokens/s of that prompt (in the
+engine's 512-token chunks). Runners take turns round by round, so load from
+other processes hits all of them alike; the table gives the median and the
+best round. Then where a decode step of the auto format goes (matmuls,
+attention, and the rest: eager-op overhead), with each set of ops. Then the
+quality of each format: per-position greedy agreement with fp32 (both fed
+fp32's choice) over fixed prompts, and perplexity on a fixed text, both
+through the decode weights.
 
     python bench/decode_speed.py [--threads 2] [--steps 64] [--rounds 3]
 """
@@ -16,13 +22,19 @@ import argparse
 import importlib.util
 import math
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from tornchat import checkpoint
-from tornchat.engine import llama
+from tornchat.engine import autotune, build, fused, llama
+from tornchat.engine.cpu import describe
 from tornchat.engine.model import PREFILL_CHUNK, HFRunner
+
+MATMULS = ("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
+ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math")
 
 PROMPTS = [
     "What is the capital of France?",
@@ -96,6 +108,24 @@ def decode_perplexity(runner, ids: list[int]) -> float:
     return math.exp(nll / (len(ids) - 1))
 
 
+def step_breakdown(runner, prompt: list[int], steps: int) -> dict[str, float]:
+    """ms per decode step: wall time, then matmul and attention kernels' time from the profiler; the rest of
+    the step (small ops, dispatch, Python) is the per-op overhead the fused ops cut."""
+    cache = runner.new_cache()
+    logits = runner.forward(prompt, cache)
+    started = time.perf_counter()
+    for _ in range(steps):
+        logits = runner.forward([int(logits.argmax())], cache, decode=True)
+    wall = (time.perf_counter() - started) / steps * 1000
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for _ in range(steps):
+            logits = runner.forward([int(logits.argmax())], cache, decode=True)
+    events = profile.key_averages()
+    matmul = sum(e.self_cpu_time_total for e in events if e.key.endswith(MATMULS)) / 1000 / steps
+    attention = sum(e.self_cpu_time_total for e in events if e.key.endswith(ATTENTION)) / 1000 / steps
+    return {"wall": wall, "matmul": matmul, "attention": attention, "other": max(wall - matmul - attention, 0.0)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -105,18 +135,28 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    print(f"CPU: {describe()}")
     loaded = checkpoint.load(None)
     tokenizer, model = loaded.tokenizer, loaded.model
+    with tempfile.TemporaryDirectory() as fresh:  # time the formats afresh, whatever an earlier start cached
+        auto, choice = autotune.choose(model, "auto", build.quality_ids(tokenizer), Path(fresh) / "d.json", "bench")
+    print(f"auto picks {choice.format.label()}; whole decode steps, ms: {choice.step_ms}; one-layer estimates, "
+          f"ms: {choice.estimate_ms}; quality {choice.quality}")
+    auto_reference_ops = choice.format.runner(model)
+    auto_reference_ops.ops = fused.REFERENCE
     runners = {
         "hf fp32": HFRunner(model),
         "lean fp32": llama.LlamaRunner(model),
         "lean bf16": llama.LlamaRunner(model, quantize="bf16"),
-        "lean int4 (int8 head)": llama.LlamaRunner(model, quantize="int4"),
+        "lean int8 (bf16 inputs)": llama.LlamaRunner(model, quantize="int8"),
+        "lean int4, int8 head (bf16 inputs)": llama.LlamaRunner(model, quantize="int4"),
+        f"auto: {choice.format.label()}": auto,
+        "auto, PyTorch reference ops": auto_reference_ops,
     }
     if importlib.util.find_spec("llama_cpp"):
         runners["llama.cpp (Q4_1 GGUF)"] = LlamaCpp(args.threads)
     else:
-        print("llama.cpp: not installed, skipped (pip install -e '.[llamacpp]')")
+        print("llama.cpp: not installed, skipped (pip install --no-build-isolation -e '.[llamacpp]')")
     prompt = chat_ids(tokenizer, PROMPTS[1])
     long_text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box on shelf {i % 17}." for i in range(400))
     long_prompt = tokenizer(long_text)["input_ids"][:2000]
@@ -133,13 +173,24 @@ def main() -> None:
             prefill[name].append(prefill_rate(runner, long_prompt))
 
     base_decode, base_prefill = statistics.median(decode["hf fp32"]), statistics.median(prefill["hf fp32"])
-    print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
-          f"median of {args.rounds} rounds")
-    print("| forward | decode tokens/s | vs hf | decode tokens/s at 2,000 tokens | prefill tokens/s (2,000 tokens) | vs hf |")
-    print("|---|---|---|---|---|---|")
+    llama_cpp = max(decode.get("llama.cpp (Q4_1 GGUF)", [0]))
+    print(f"\nCPU: {describe()}; {torch.get_num_threads()} threads; median and best of {args.rounds} rounds")
+    print("| forward | decode tok/s, median (best) | vs hf | best vs llama.cpp's best | decode tok/s at 2,000 tokens "
+          "| prefill tok/s (2,000 tokens) | vs hf |")
+    print("|---|---|---|---|---|---|---|")
     for name in runners:
         d, dl, p = (statistics.median(rates[name]) for rates in (decode, decode_long, prefill))
-        print(f"| {name} | {d:.1f} | {d / base_decode:.2f}x | {dl:.1f} | {p:.0f} | {p / base_prefill:.2f}x |")
+        versus = f"{max(decode[name]) / llama_cpp:.2f}x" if llama_cpp else "-"
+        print(f"| {name} | {d:.1f} ({max(decode[name]):.1f}) | {d / base_decode:.2f}x | {versus} | {dl:.1f} | {p:.0f} "
+              f"| {p / base_prefill:.2f}x |")
+
+    print(f"\nWhere a decode step of the auto format goes, ms (short prompt; kernel times from torch.profiler):")
+    print("| ops | step | matmuls | attention | rest: per-op overhead | overhead share |")
+    print("|---|---|---|---|---|---|")
+    for name, runner in (("C++ fused", auto), ("PyTorch reference", auto_reference_ops)):
+        parts = step_breakdown(runner, prompt, args.steps)
+        print(f"| {name} | {parts['wall']:.2f} | {parts['matmul']:.2f} | {parts['attention']:.2f} | {parts['other']:.2f} "
+              f"| {parts['other'] / parts['wall']:.0%} |")
 
     prompts = [chat_ids(tokenizer, text) for text in PROMPTS]
     text_ids = tokenizer(open(__file__).read())["input_ids"][: args.ppl_tokens]
@@ -147,7 +198,7 @@ def main() -> None:
     ppl_fp32 = decode_perplexity(reference, text_ids)
     print(f"quality vs lean fp32 (greedy agreement over {len(prompts)} prompts x 32 positions, both fed fp32's "
           f"choice; perplexity of {len(text_ids)} tokens of this file fed as decode steps: fp32 {ppl_fp32:.3f})")
-    for name in ("lean bf16", "lean int4 (int8 head)"):
+    for name in ("lean bf16", "lean int8 (bf16 inputs)", "lean int4, int8 head (bf16 inputs)"):
         agreement = greedy_agreement(reference, runners[name], prompts, 32)
         ppl = decode_perplexity(runners[name], text_ids)
         print(f"| {name} | agreement {agreement:.1%} | perplexity {ppl:.3f} ({ppl / ppl_fp32 - 1:+.2%}) |")

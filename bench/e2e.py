@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402  (sibling module; bench/ is not a package)
 
 from tornchat import checkpoint  # noqa: E402
+from tornchat.engine.cpu import describe  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STARTUP_TIMEOUT_S = 600
@@ -92,7 +93,7 @@ def llamacpp_system(threads: int, port: int) -> System:
         "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
         "--chat_format", "chatml",
     ]
-    skip = None if importlib.util.find_spec("llama_cpp") else "not installed: pip install -e '.[llamacpp]'"
+    skip = None if importlib.util.find_spec("llama_cpp") else "not installed: pip install --no-build-isolation -e '.[llamacpp]'"
     return System("llamacpp", f"llama.cpp server (llama-cpp-python {version('llama_cpp_python')}, Q4_1 GGUF)",
                   command, "smollm2", "/v1/models", skip=skip)
 
@@ -306,16 +307,8 @@ def drive(server: Server, system: System, port: int, workload: workloads.Workloa
 
 
 def machine(threads: int) -> dict:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "threads": threads,
+        "cpu": describe(), "cores": os.cpu_count(), "threads": threads,
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "python": platform.python_version(),
         "tornchat_commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,

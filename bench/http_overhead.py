@@ -23,6 +23,7 @@ import servers  # noqa: E402  (the test helper that starts the real server)
 from tornchat import functions, prompt  # noqa: E402
 from tornchat.config import Config  # noqa: E402
 from tornchat.engine.build import build_engine  # noqa: E402
+from tornchat.engine.cpu import describe  # noqa: E402
 from tornchat.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a long, detailed story about a dragon who learns to bake bread."}]
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    print(f"CPU: {describe()}", flush=True)
 
     engine = build_engine(Config())
     results = {"engine": [], "server": []}

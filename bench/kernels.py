@@ -22,12 +22,12 @@ bench/results/.
 """
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import torch
 
+from tornchat.engine.cpu import describe
 from tornchat.kernels.sampling import sample_reference
 
 BATCHES = (1, 8, 64)
@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="B in {1, 8}, V in {32k, 49k}, fewer repeats")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
+    print(f"device: {torch.cuda.get_device_name() if cuda else describe()}", flush=True)
     device = "cuda" if cuda else "cpu"
     batches, vocabs = (BATCHES[:2], VOCABS[:2]) if args.quick else (BATCHES, VOCABS)
     methods = {"reference": sample_reference, "torch-sort": torch_sort, "multinomial": multinomial}
@@ -95,7 +96,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     RESULTS.mkdir(exist_ok=True)
     meta = {
-        "device": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name() if cuda else describe(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "note": None if cuda else "no GPU: the triton column needs CUDA",

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from tornchat import prompt
 from tornchat.config import Config
-from tornchat.engine import llama, quant
+from tornchat.engine import cpu, llama, quant
 from tornchat.engine.build import make_runner
 from tornchat.engine.model import HFRunner
 from tornchat.engine.slots import SlotPool
@@ -101,14 +101,15 @@ def test_context_is_capped(tiny_model):
         runner.forward([4], cache)
 
 
-def test_int4_round_trip_and_kernel_match_dequantized_weights():
+@pytest.mark.parametrize("inputs", [torch.bfloat16, torch.float32])
+def test_int4_round_trip_and_kernel_match_dequantized_weights(inputs):
     torch.manual_seed(0)
     weight = torch.randn(96, 128)
-    packed = quant.quantize_int4(weight, group_size=32)
+    packed = quant.quantize_int4(weight, group_size=32, inputs=inputs)
     dequantized = quant.fake_quantize_int4(weight, group_size=32)
     step = (weight.reshape(96, 4, 32).amax(-1) - weight.reshape(96, 4, 32).amin(-1)) / 15
     assert ((dequantized - weight).abs().reshape(96, 4, 32) <= step[..., None] / 2 + 1e-5).all()
-    # Weights already on a 16-level grid (a Q4_1 GGUF's) come back exactly, and auto knows them by that.
+    # Weights already on a 16-level grid (a Q4_1 GGUF's) come back exactly.
     torch.testing.assert_close(quant.fake_quantize_int4(dequantized, 32), dequantized, atol=1e-5, rtol=0)
     assert quant.on_int4_grid(dequantized) and not quant.on_int4_grid(weight)
     assert not quant.supports(torch.zeros(96, 48), 32) and not quant.on_int4_grid(torch.zeros(96, 48))
@@ -118,26 +119,27 @@ def test_int4_round_trip_and_kernel_match_dequantized_weights():
     kernel_weight = ((q - 8) * scales.T[..., None] + zeros.T[..., None]).reshape(96, 128)
     x = torch.randn(3, 128)
     out = quant.linear(x, packed)
-    assert out.dtype == quant.kernel_dtype()  # the kernel's, for the next projection to take as it is
-    torch.testing.assert_close(out.float(), F.linear(x.to(quant.kernel_dtype()).float(), kernel_weight), atol=3e-2, rtol=1e-2)
+    assert out.dtype == inputs == quant.input_dtype(packed)  # the kernel's, for the next projection to take as it is
+    torch.testing.assert_close(out.float(), F.linear(x.to(inputs).float(), kernel_weight), atol=3e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), F.linear(x, dequantized), atol=1e-1, rtol=2e-2)
 
 
-def test_int8_round_trip_and_kernel_match_dequantized_weights():
+@pytest.mark.parametrize("inputs", [torch.bfloat16, torch.float32])
+def test_int8_round_trip_and_kernel_match_dequantized_weights(inputs):
     torch.manual_seed(0)
     weight = torch.randn(96, 128)
-    packed = quant.quantize_int8(weight)
+    packed = quant.quantize_int8(weight, inputs)
     assert packed.values.dtype == torch.int8 and packed.scales.shape == (96,)
     dequantized = quant.fake_quantize_int8(weight)
     step = weight.abs().amax(dim=1, keepdim=True) / 127
-    # Half a step of rounding, plus the scale's own rounding to the kernel's dtype (bf16: 2^-9 relative).
+    # Half a step of rounding, plus the scale's own rounding to bf16 (2^-9 relative).
     assert ((dequantized - weight).abs() <= step / 2 + weight.abs() * 2**-8 + 1e-6).all()
     assert not torch.equal(dequantized, weight)
     x = torch.randn(15, 128)
     out = quant.linear(x, packed)
-    assert out.shape == (15, 96) and out.dtype == quant.kernel_dtype()
+    assert out.shape == (15, 96) and out.dtype == inputs == quant.input_dtype(packed)
     kernel_weight = packed.values.float() * packed.scales.float()[:, None]
-    torch.testing.assert_close(out.float(), F.linear(x.to(quant.kernel_dtype()).float(), kernel_weight), atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), F.linear(x.to(inputs).float(), kernel_weight), atol=3e-2, rtol=1e-2)
 
 
 def fake_quantized(model):
@@ -158,29 +160,42 @@ def prefill_then_step(runners, tokens: list[int]) -> tuple[list[torch.Tensor], l
     return prefill, [r.forward([11], c, decode=True) for r, c in zip(runners, caches)]
 
 
-def test_int4_runner_decodes_with_packed_layers_and_prefills_in_fp32(tiny_model):
-    fp32, int4 = llama.LlamaRunner(tiny_model), llama.LlamaRunner(tiny_model, quantize="int4")
-    assert all(isinstance(layer.w13, quant.Int4Weight) for layer in int4.decode_layers)
-    int8_head = quant.kernel_dtype() == torch.bfloat16  # elsewhere the int8 kernel is slow and the head stays
-    assert isinstance(int4.decode_head, quant.Int8Weight) == int8_head
-    # What int4 decode computes: int4 layers and an int8 head, fed inputs rounded to the kernels' dtype.
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+@pytest.mark.parametrize("inputs", [torch.bfloat16, torch.float32])
+def test_quantized_runner_decodes_with_packed_layers_and_prefills_in_fp32(tiny_model, mode, inputs):
+    fp32, packed = llama.LlamaRunner(tiny_model), llama.LlamaRunner(tiny_model, quantize=mode, inputs=inputs)
+    layer_type = quant.Int4Weight if mode == "int4" else quant.Int8Weight
+    assert all(isinstance(layer.w13, layer_type) and quant.input_dtype(layer.w13) == inputs for layer in packed.decode_layers)
+    assert isinstance(packed.decode_head, quant.Int8Weight)  # int4 heads cost SmolLM2 8% perplexity
+    # What packed decode computes: the layers' and head's dequantized weights, fed inputs rounded to `inputs`.
     reference = llama.LlamaRunner(tiny_model)
-    reference.decode_layers = llama.LlamaRunner(fake_quantized(tiny_model)).layers
-    if int8_head:
-        reference.decode_head = quant.fake_quantize_int8(reference.lm_head)
-    reference.kv_dtype = int4.kv_dtype
-    prefill, steps = prefill_then_step((fp32, int4, reference), list(range(50, 80)))
+    if mode == "int4":
+        reference.decode_layers = llama.LlamaRunner(fake_quantized(tiny_model)).layers
+    else:
+        reference.decode_layers = [
+            layer._replace(**{name: quant.fake_quantize_int8(getattr(layer, name)) for name in ("wqkv", "wo", "w13", "w2")})
+            for layer in reference.layers
+        ]
+    reference.decode_head = quant.fake_quantize_int8(reference.lm_head)
+    prefill, steps = prefill_then_step((fp32, packed, reference), list(range(50, 80)))
     torch.testing.assert_close(prefill[1], prefill[2], atol=0, rtol=0)  # prefill reads the fp32 weights
-    torch.testing.assert_close(prefill[1], prefill[0], atol=2e-2, rtol=2e-2)  # only the cache's dtype may differ
+    torch.testing.assert_close(prefill[1], prefill[0], atol=0, rtol=0)
     assert steps[1].dtype == torch.float32
     torch.testing.assert_close(steps[1], steps[2], atol=2e-2, rtol=2e-2)
-    assert not torch.allclose(steps[1], steps[0], atol=2e-2)  # it really used other weights
+    assert not torch.equal(steps[1], steps[0])  # it really used other weights
 
 
-def test_bf16_runner_decodes_with_bf16_weights_and_fp32_activations(tiny_model):
+@pytest.mark.parametrize("onednn", [True, False])
+def test_bf16_runner_decodes_with_bf16_weights_with_or_without_onednn(tiny_model, monkeypatch, onednn):
+    """Where oneDNN's bf16 linear refuses the CPU (AVX2 only), bf16 decode falls back to plain bf16 weights."""
+    if onednn and not cpu.packs_bf16():
+        pytest.skip(f"oneDNN has no packed bf16 linear on this CPU ({cpu.describe()}); the fallback case runs")
+    monkeypatch.setattr(cpu, "packs_bf16", lambda: onednn)
     fp32, bf16 = llama.LlamaRunner(tiny_model), llama.LlamaRunner(tiny_model, quantize="bf16")
-    assert all(isinstance(layer.w13, quant.Bf16Weight) for layer in bf16.decode_layers)
-    assert isinstance(bf16.decode_head, quant.Bf16Weight) and bf16.layers[0].w13.dtype == torch.float32
+    expected_type = quant.Bf16Weight if onednn else torch.Tensor
+    assert all(isinstance(layer.w13, expected_type) for layer in bf16.decode_layers)
+    assert isinstance(bf16.decode_head, expected_type) and quant.input_dtype(bf16.decode_head) == torch.bfloat16
+    assert bf16.layers[0].w13.dtype == torch.float32
     # What bf16 decode computes: every projection on bf16-rounded weights and inputs, the rest in fp32.
     reference = llama.LlamaRunner(tiny_model)
     reference.decode_layers = [
@@ -188,10 +203,8 @@ def test_bf16_runner_decodes_with_bf16_weights_and_fp32_activations(tiny_model):
         for layer in reference.layers
     ]
     reference.decode_head = reference.lm_head.bfloat16().float()
-    reference.kv_dtype = bf16.kv_dtype
     prefill, steps = prefill_then_step((fp32, bf16, reference), list(range(50, 80)))
     torch.testing.assert_close(prefill[1], prefill[2], atol=0, rtol=0)  # prefill reads the fp32 weights
-    torch.testing.assert_close(prefill[1], prefill[0], atol=2e-2, rtol=2e-2)  # only the cache's dtype may differ
     one_token_prefill = [r.forward([11], r.new_cache()) for r in (reference, bf16)]
     torch.testing.assert_close(one_token_prefill[1], one_token_prefill[0], atol=0, rtol=0)  # however short
     assert steps[1].dtype == torch.float32
@@ -200,32 +213,43 @@ def test_bf16_runner_decodes_with_bf16_weights_and_fp32_activations(tiny_model):
     torch.testing.assert_close(steps[1], steps[0], atol=5e-2, rtol=5e-2)
 
 
-def test_packed_decode_weights_bring_a_bf16_cache_where_the_cpu_has_bf16(tiny_model):
-    bf16_hardware = quant.kernel_dtype() == torch.bfloat16
-    for mode in ("int4", "bf16"):
-        runner = llama.LlamaRunner(tiny_model, quantize=mode)
-        assert runner.new_cache().kv.dtype == (torch.bfloat16 if bf16_hardware else torch.float32)
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
+def test_cache_dtype_is_a_setting_kept_by_growth_and_forks(tiny_model, kv_dtype):
+    fp32 = llama.LlamaRunner(tiny_model)
+    assert fp32.new_cache().kv.dtype == torch.float32  # the model's own by default
+    runner = llama.LlamaRunner(tiny_model, quantize="int4", kv_dtype=kv_dtype)
+    cache = runner.new_cache()
+    logits = runner.forward(list(range(300)), cache)  # grows past one chunk
+    forked = runner.fork(cache, 30)
+    assert cache.kv.dtype == forked.kv.dtype == kv_dtype
+    assert runner.cache_bytes(forked) == forked.kv.numel() * forked.kv.element_size()
+    # A bf16 cache rounds keys and values, nothing else.
+    tolerance = 3e-2 if kv_dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(logits, fp32.forward(list(range(300)), fp32.new_cache()), atol=tolerance, rtol=tolerance)
+
+
+def test_score_gives_every_position_as_forward_does(tiny_model):
+    runner = llama.LlamaRunner(tiny_model, quantize="int8")
+    tokens = list(range(40, 60))
+    for decode in (False, True):
+        scores = runner.score(tokens, decode)
+        assert scores.shape == (20, len(runner.embed)) and scores.dtype == torch.float32
         cache = runner.new_cache()
-        runner.forward(list(range(40)), cache)
-        forked = runner.fork(cache, 30)  # grown and forked caches keep the dtype
-        assert forked.kv.dtype == cache.kv.dtype and runner.cache_bytes(forked) == forked.kv.numel() * forked.kv.element_size()
-    assert llama.LlamaRunner(tiny_model).new_cache().kv.dtype == torch.float32
+        runner.forward(tokens[:5], cache)
+        step = runner.forward([tokens[5]], cache, decode=decode)
+        torch.testing.assert_close(scores[5], step, atol=2e-2, rtol=2e-2)
 
 
-def test_build_picks_runner(tiny_model):
-    assert isinstance(make_runner(tiny_model, Config()), llama.LlamaRunner)
-    assert isinstance(make_runner(tiny_model, Config(model_impl="hf")), HFRunner)
-    assert isinstance(make_runner(tiny_model, Config(quantize="bf16")).decode_head, quant.Bf16Weight)
-    # auto: int4 for weights on its grid (a Q4_1 GGUF's), else bf16 where the CPU has bf16 hardware, else
-    # fp32; transformers' path takes auto too.
-    on_grid = fake_quantized(tiny_model)
-    assert make_runner(on_grid, Config()).quantize == "int4"
-    with torch.no_grad():
-        on_grid.model.layers[-1].mlp.down_proj.weight[0, 1] += 1e-3  # one value off the grid: int4 would lose it
-    assert make_runner(on_grid, Config()).quantize != "int4"
-    assert make_runner(tiny_model, Config()).quantize == ("bf16" if torch.cpu._is_avx512_bf16_supported() else "none")
+def test_build_picks_runner(tiny_model, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORNCHAT_CACHE", str(tmp_path))
+    ids = list(range(100, 140))
+    assert isinstance(make_runner(tiny_model, Config(), ids, "tiny"), llama.LlamaRunner)
+    assert isinstance(make_runner(tiny_model, Config(model_impl="hf"), ids, "tiny"), HFRunner)
+    assert make_runner(tiny_model, Config(quantize="none"), ids, "tiny").decode_layers[0].w13.dtype == torch.float32
+    assert isinstance(make_runner(tiny_model, Config(quantize="int8"), ids, "tiny").decode_head, quant.Int8Weight)
+    assert (tmp_path / "decode-formats.json").exists()  # the measured choices, for the next start
     with pytest.raises(Exception, match="quantize int4 needs the lean forward"):
-        make_runner(tiny_model, Config(model_impl="hf", quantize="int4"))
+        make_runner(tiny_model, Config(model_impl="hf", quantize="int4"), ids, "tiny")
 
 
 # ---- the real SmolLM2 -------------------------------------------------------
@@ -287,9 +311,8 @@ def test_real_model_engine_reuses_kv_like_hf(smol, smol_lean):
 
 
 def test_int4_greedy_and_perplexity_track_fp32(smol, smol_lean):
-    """The default on this model: its Q4_1 layers re-pack exactly, the Q8_0 head goes to per-row int8."""
+    """This model's Q4_1 layers re-pack exactly, the Q8_0 head goes to per-row int8."""
     assert quant.on_int4_grid(smol.model.model.layers[5].self_attn.q_proj.weight)
-    assert make_runner(smol.model, Config()).quantize == "int4"
     int4 = llama.LlamaRunner(smol.model, quantize="int4")
     agree = total = 0
     for text in PROMPTS[1:]:

@@ -99,6 +99,13 @@ def resolve(path: str | None) -> Path:
     return target
 
 
+def fingerprint(directory: str | Path) -> str:
+    """Names, sizes and modification times of a model directory's files: a changed checkpoint differs."""
+    files = sorted(p for p in Path(directory).iterdir() if p.is_file())
+    listing = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return f"{Path(directory).resolve()}:" + hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__

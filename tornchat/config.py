@@ -15,7 +15,7 @@ class Config:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     threads: int = 0  # torch intra-op threads; 0: one per core
     model_impl: str = "auto"  # auto (lean for Llama/Qwen2/Mistral, else hf) | hf | lean
-    quantize: str = "auto"  # auto (int4 for Q4_1 checkpoints, else bf16 on CPUs with bf16 hardware, else none) | none | bf16 | int4
+    quantize: str = "auto"  # auto (the fastest format whose quality holds, timed on this machine) | none | bf16 | int8 | int4
     kv_slots: int = 4  # conversations whose KV cache is kept between calls
     kv_memory_mb: int = 2048  # bound on all slots together
     max_queue: int = 16  # requests waiting behind the running one; beyond: 503
@@ -33,7 +33,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "dtype": ("float32", "bfloat16", "float16"),
     "model_impl": ("auto", "hf", "lean"),
-    "quantize": ("auto", "none", "bf16", "int4"),
+    "quantize": ("auto", "none", "bf16", "int8", "int4"),
     "log_level": ("debug", "info", "warning", "error"),
     "log_format": ("text", "json"),
 }

@@ -5,7 +5,7 @@ import torch
 
 from tornchat import checkpoint, prompt
 from tornchat.config import Config
-from tornchat.engine import llama, quant
+from tornchat.engine import autotune, cpu, llama
 from tornchat.engine.model import HFRunner, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.worker import Engine
@@ -25,22 +25,9 @@ def pick_device(name: str) -> str:
     return name
 
 
-def pick_quantize(name: str, model: torch.nn.Module) -> str:
-    """auto, on a CPU: int4 where every layer matrix already sits on its grid (a Q4_1 GGUF, such as the
-    embedded model: lossless; 0.3 s to check), else packed bf16 where the CPU has bf16 hardware, else
-    none (README). A file mixing formats (Q4_K_M) is not on the grid and gets bf16."""
-    if name != "auto":
-        return name
-    if next(model.parameters()).device.type != "cpu":
-        return "none"
-    matrices = [p for layer in model.model.layers for p in layer.parameters() if p.dim() == 2]
-    if all(quant.on_int4_grid(matrix) for matrix in matrices):
-        return "int4"
-    return "bf16" if torch.cpu._is_avx512_bf16_supported() else "none"
-
-
-def make_runner(model: torch.nn.Module, config: Config) -> Runner:
-    """The lean forward where the family allows it (PERF-NOTES.md), else transformers' modules."""
+def make_runner(model: torch.nn.Module, config: Config, quality_ids: list[int], checkpoint_id: str) -> Runner:
+    """The lean forward where the family allows it (PERF-NOTES.md), else transformers' modules; on a CPU,
+    decode weights in the format --quantize asks for, timed on this machine (autotune)."""
     reason = llama.unsupported_reason(model)
     if config.model_impl == "hf" or (config.model_impl == "auto" and reason):
         if config.quantize not in ("none", "auto"):
@@ -48,7 +35,21 @@ def make_runner(model: torch.nn.Module, config: Config) -> Runner:
         return HFRunner(model)
     if reason:
         raise checkpoint.CheckpointError(f"--model-impl lean: {reason}")
-    return llama.LlamaRunner(model, quantize=pick_quantize(config.quantize, model))
+    if next(model.parameters()).device.type != "cpu" or config.quantize == "none":
+        return llama.LlamaRunner(model)  # the packed decode kernels are CPU ones
+    cache_file = checkpoint.cache_root() / "decode-formats.json"
+    try:
+        runner, _ = autotune.choose(model, config.quantize, quality_ids, cache_file, checkpoint_id)
+    except autotune.NoFormat as exc:
+        raise checkpoint.CheckpointError(str(exc)) from None
+    return runner
+
+
+def quality_ids(tokenizer) -> list[int]:
+    """autotune's fixed chat, in the model's own template where it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(autotune.QUALITY_TEXT, tokenize=True, return_dict=False)
+    return tokenizer(" ".join(m["content"] for m in autotune.QUALITY_TEXT))["input_ids"]
 
 
 def warm_up(runner: Runner) -> None:
@@ -72,12 +73,13 @@ def _build_on_worker(config: Config) -> Engine:
         torch.set_num_threads(config.threads)
     device = pick_device(config.device)
     loaded = checkpoint.load(config.checkpoint_path, device=device, dtype=DTYPES[config.dtype])
-    runner = make_runner(loaded.model, config)
+    runner = make_runner(loaded.model, config, quality_ids(loaded.tokenizer), checkpoint.fingerprint(loaded.source))
     warm_up(runner)
     slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024, prompt_bytes(loaded.tokenizer))
     stops = prompt.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
     log.info(
-        "engine ready on %s, %s forward, decode weights %s, %d threads, %d KV slots",
-        device, type(runner).__name__, getattr(runner, "quantize", "as loaded"), torch.get_num_threads(), config.kv_slots,
+        "engine ready on %s (%s), %s forward, decode weights %s, %d threads, %d KV slots",
+        device, cpu.describe() if device == "cpu" else torch.cuda.get_device_name(), type(runner).__name__,
+        getattr(runner, "quantize", "as loaded"), torch.get_num_threads(), config.kv_slots,
     )
     return Engine(runner, loaded.tokenizer, stops, slots, max_queue=config.max_queue, on_this_thread=True)

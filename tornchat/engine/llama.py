@@ -13,21 +13,22 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tornchat.engine import quant
+from tornchat.engine import fused, quant
 
 FAMILIES = ("llama", "qwen2", "mistral")
+QUANTIZE = ("none", "bf16", "int8", "int4")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
 CACHE_CHUNK = 256  # positions a cache grows by; kv_memory_mb measures what is allocated
 
 
 class Layer(NamedTuple):
     attn_norm: torch.Tensor
-    wqkv: torch.Tensor | quant.Int4Weight | quant.Bf16Weight  # packed ones for decode steps
+    wqkv: quant.Weight  # packed ones for decode steps
     bqkv: torch.Tensor | None  # Qwen2 has q/k/v biases
-    wo: torch.Tensor | quant.Int4Weight | quant.Bf16Weight
+    wo: quant.Weight
     ffn_norm: torch.Tensor
-    w13: torch.Tensor | quant.Int4Weight | quant.Bf16Weight  # gate and up, stacked
-    w2: torch.Tensor | quant.Int4Weight | quant.Bf16Weight
+    w13: quant.Weight  # gate and up, stacked
+    w2: quant.Weight
 
 
 @dataclass(eq=False)  # identity: comparing caches would compare tensors
@@ -63,33 +64,53 @@ def interleave_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, -1, *rest).transpose(1, 2).reshape(weight.shape)
 
 
+def packers(quantize: str, inputs: torch.dtype, group_size: int = 32):
+    """(pack a layer matrix, pack the output projection) for a decode format, or (None, None) for none."""
+    if quantize == "none":
+        return None, None
+    if quantize == "bf16":
+        return quant.to_bf16, quant.to_bf16
+
+    def int8(weight):
+        return quant.quantize_int8(weight, inputs)
+
+    def int4(weight):  # odd shapes stay as they are
+        return quant.quantize_int4(weight, group_size, inputs) if quant.supports(weight, group_size) else weight
+
+    return (int4 if quantize == "int4" else int8), int8
+
+
 class LlamaRunner:
     """Implements ``model.Runner``. ``quantize`` picks the weights decode steps read.
 
     A decode step streams every weight once, so its speed is bytes per token.
-    ``bf16``: bf16 copies of the layer weights and the output projection in
-    oneDNN's packed layout.
+    ``bf16``: bf16 copies of the layer weights and the output projection
+    (``quant.to_bf16``: oneDNN's packed layout where it runs).
+    ``int8``: layer weights and output projection in int8 with a scale per row.
     ``int4``: layer weights packed for PyTorch's int4 CPU kernel (group 32,
     asymmetric: a Q4_1 GGUF's layers round-trip exactly), and the output
     projection in int8 with a scale per row: on SmolLM2 an int4 head raised
     perplexity by 8% and changed 17% of greedy choices, the int8 one neither
-    (its GGUF stores the head as Q8_0). Where the int8 kernel is slow (CPUs
-    without AVX-512 BF16), the head stays as loaded.
-    Both are weight-only: norms and the residual stream stay in the model's
+    (its GGUF stores the head as Q8_0).
+    ``inputs``: the dtype the int4 and int8 kernels are fed; which one is
+    fast depends on the CPU (``engine/autotune.py`` times both).
+    ``kv_dtype``: the KV cache's dtype (default: the model's); a bf16 cache
+    reads half the bytes in attention over a long context. Prefill and
+    decode share the cache.
+    All are weight-only: norms and the residual stream stay in the model's
     dtype, and each projection's input is cast to what its kernel takes.
-    With either, on a CPU with AVX-512 BF16, the KV cache holds bf16 too:
-    attention over a long context reads half the bytes (decode at 2,000
-    tokens +10%, prefill +21%). Prefill and decode share that cache.
-    Which one pays depends on the CPU (README, bench/decode_speed.py).
 
     Prefill keeps the model's own weights: a 512-row chunk is a matrix
     product, bound by arithmetic rather than by bytes.
     """
 
-    def __init__(self, model: torch.nn.Module, quantize: str = "none", group_size: int = 32):
+    def __init__(self, model: torch.nn.Module, quantize: str = "none", inputs: torch.dtype = torch.bfloat16,
+                 kv_dtype: torch.dtype | None = None, group_size: int = 32):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"the lean forward does not support this model: {reason}")
+        if quantize not in QUANTIZE:
+            raise ValueError(f"unknown quantize mode {quantize!r} ({' | '.join(QUANTIZE)})")
         config, inner = model.config, model.model
         attn = inner.layers[0].self_attn
         self.device = inner.embed_tokens.weight.device
@@ -109,20 +130,17 @@ class LlamaRunner:
         positions = torch.arange(self.context_length, dtype=torch.float32, device=self.device)
         angles = torch.outer(positions, rope.inv_freq.float().to(self.device))
         magnitude = torch.full_like(angles, float(rope.attention_scaling))
-        self.freqs_cis = torch.polar(magnitude, angles)  # [context, head_dim / 2]
+        self.rope = torch.view_as_real(torch.polar(magnitude, angles)).contiguous()  # [context, head_dim / 2, (cos, sin)]
+        self.ops = fused.ops_for(self.device, self.dtype)
 
-        self.quantize = quantize
+        self.quantize, self.inputs = quantize, inputs
+        self.kv_dtype = kv_dtype or self.dtype
         self.decode_layers, self.decode_head = self.layers, self.lm_head
-        if quantize == "int4":
-            self.decode_layers = [self._pack(layer, lambda w: self._int4(w, group_size)) for layer in self.layers]
-            self.decode_head = self._int8(self.lm_head)
-        elif quantize == "bf16":
-            self.decode_layers = [self._pack(layer, self._bf16) for layer in self.layers]
-            self.decode_head = self._bf16(self.lm_head)
-        elif quantize != "none":
-            raise ValueError(f"unknown quantize mode {quantize!r} (none | bf16 | int4)")
-        packed = self.device.type == "cpu" and quantize != "none"
-        self.kv_dtype = quant.kernel_dtype() if packed else self.dtype  # fp32 where bf16 attention is emulated
+        if self.device.type == "cpu":  # the packed kernels are CPU ones; elsewhere decode reads the model's weights
+            pack_layer, pack_head = packers(quantize, inputs, group_size)
+            if pack_layer:
+                self.decode_layers = [self._pack(layer, pack_layer) for layer in self.layers]
+                self.decode_head = pack_head(self.lm_head)
 
     def _fuse(self, layer) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -148,21 +166,6 @@ class LlamaRunner:
     @staticmethod
     def _pack(layer: Layer, pack) -> Layer:
         return layer._replace(wqkv=pack(layer.wqkv), wo=pack(layer.wo), w13=pack(layer.w13), w2=pack(layer.w2))
-
-    def _bf16(self, weight: torch.Tensor):
-        if self.device.type != "cpu" or not quant.packs_bf16():
-            return weight  # oneDNN's packed linear is the CPU one
-        return quant.pack_bf16(weight)
-
-    def _int4(self, weight: torch.Tensor, group_size: int):
-        if self.device.type != "cpu" or not quant.supports(weight, group_size):
-            return weight  # the packed kernel is the CPU one; odd shapes stay as they are
-        return quant.quantize_int4(weight, group_size)
-
-    def _int8(self, weight: torch.Tensor):
-        if self.device.type != "cpu" or quant.kernel_dtype() == torch.float32:
-            return weight  # the int8 kernel is fast only with bf16 inputs on a CPU with AVX-512 BF16
-        return quant.quantize_int8(weight)
 
     def new_cache(self) -> KVCache:
         shape = (len(self.layers), 2, 0, self.kv_heads, self.head_dim)
@@ -195,14 +198,30 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], cache: KVCache, decode: bool = False) -> torch.Tensor:
+        x = self._hidden(token_ids, cache, decode)
+        return self._logits(x[-1:], decode)[0]
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], decode: bool) -> torch.Tensor:
+        """fp32 logits [n, V] of every position of token_ids from an empty cache, through the decode
+        weights if ``decode`` (in one multi-row pass): what autotune compares formats by."""
+        return self._logits(self._hidden(token_ids, self.new_cache(), decode), decode)
+
+    def _logits(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
+        head = self.decode_head if decode else self.lm_head
+        h = self.ops.rms_norm(x, self.final_norm, self.eps, quant.input_dtype(head) == torch.bfloat16)
+        return quant.linear(h, head).float()
+
+    def _hidden(self, token_ids: list[int], cache: KVCache, decode: bool) -> torch.Tensor:
+        """Run token_ids through the layers, appending to cache: the residual stream [n, hidden] after them."""
         n, start = len(token_ids), cache.length
         end = start + n
         self._reserve(cache, end)
-        layers, head = (self.decode_layers, self.decode_head) if decode else (self.layers, self.lm_head)
+        layers = self.decode_layers if decode else self.layers
+        ops, eps = self.ops, self.eps
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         groups = heads // kv_heads
-        qk_width = (heads + kv_heads) * head_dim
-        freqs = self.freqs_cis[start:end].view(n, 1, head_dim // 2)
+        freqs = self.rope[start:end]
         # Queries are folded to [kv_heads, groups * n, head_dim] so that each
         # KV head serves its group without copying keys (grouped-query
         # attention); rows are ordered (group, position), hence the repeat.
@@ -213,26 +232,21 @@ class LlamaRunner:
 
         x = F.embedding(torch.tensor(token_ids, device=self.device), self.embed)
         for i, layer in enumerate(layers):
-            h = F.rms_norm(x, (self.hidden,), layer.attn_norm, self.eps)
+            h = ops.rms_norm(x, layer.attn_norm, eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
             qkv = quant.linear(h, layer.wqkv)
             if layer.bqkv is not None:
                 qkv = qkv + layer.bqkv
-            qk = qkv[:, :qk_width].reshape(n, heads + kv_heads, head_dim // 2, 2).float()
-            qk = torch.view_as_real(torch.view_as_complex(qk) * freqs).view(n, heads + kv_heads, head_dim)
             keys, values = cache.kv[i].unbind()  # [capacity, kv_heads, head_dim] each
-            keys[start:end] = qk[:, heads:]
-            values[start:end] = qkv[:, qk_width:].view(n, kv_heads, head_dim)
+            q = ops.rope_store(qkv, freqs, keys[start:end], values[start:end], heads, kv_heads)
             # 4-D so that SDPA takes its fused CPU kernel rather than the math path.
-            q = qk[:, :heads].transpose(0, 1).reshape(1, kv_heads, groups * n, head_dim).to(keys.dtype)
+            q = q.transpose(0, 1).reshape(1, kv_heads, groups * n, head_dim)
             out = F.scaled_dot_product_attention(
                 q, keys[None, :end].transpose(1, 2), values[None, :end].transpose(1, 2), attn_mask=mask, scale=self.scale
             )
             # reshape, not view: CUDA's SDPA kernels return a non-contiguous layout.
             out = out.reshape(heads, n, head_dim).transpose(0, 1).reshape(n, heads * head_dim)
             x = x + quant.linear(out, layer.wo)
-            h = F.rms_norm(x, (self.hidden,), layer.ffn_norm, self.eps)
-            gate, up = quant.linear(h, layer.w13).chunk(2, dim=-1)
-            x = x + quant.linear(F.silu(gate) * up, layer.w2)
+            h = ops.rms_norm(x, layer.ffn_norm, eps, quant.input_dtype(layer.w13) == torch.bfloat16)
+            x = x + quant.linear(ops.silu_mul(quant.linear(h, layer.w13)), layer.w2)
         cache.length = end
-        last = F.rms_norm(x[-1:], (self.hidden,), self.final_norm, self.eps)
-        return quant.linear(last, head)[0].float()
+        return x

@@ -1,0 +1,157 @@
+"""--quantize auto: decided by timing on this machine, gated by quality, remembered per CPU.
+
+The timings and CPU probes are faked here to check the choices another CPU
+would make; one test runs the real measurement on a tiny model.
+"""
+import json
+import logging
+
+import pytest
+import torch
+
+from tornchat.engine import autotune, cpu, llama
+from tornchat.engine.autotune import Format
+
+IDS = list(range(100, 160))
+
+
+def fake_machine(monkeypatch, step_ms: dict, estimate_ms: dict | None = None, quality: dict | None = None,
+                 missing: tuple = ()):
+    """Timings and quality by (quantize, inputs); formats in missing raise as a kernel this CPU lacks."""
+    calls = {"matmuls": 0, "steps": 0, "quality": 0}
+
+    def time_matmuls(fmt, base):
+        calls["matmuls"] += 1
+        if (fmt.quantize, fmt.inputs) in missing:
+            raise RuntimeError("kernel not built for this CPU\nsecond line")
+        return (estimate_ms or step_ms)[fmt.quantize, fmt.inputs] / 1000
+
+    def time_steps(runner, ids):
+        calls["steps"] += 1
+        return step_ms[runner.quantize, "bf16" if runner.inputs == torch.bfloat16 else "fp32"] / 1000
+
+    def check_quality(runner, ids):
+        calls["quality"] += 1
+        inputs = "bf16" if runner.inputs == torch.bfloat16 else "fp32"
+        return {"perplexity_rise": (quality or {}).get((runner.quantize, inputs), 0.0), "agreement": 1.0, "positions": 9.0}
+
+    monkeypatch.setattr(autotune, "time_matmuls", time_matmuls)
+    monkeypatch.setattr(autotune, "time_steps", time_steps)
+    monkeypatch.setattr(autotune, "check_quality", check_quality)
+    monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (False, {}))
+    return calls
+
+
+AVX2_LIKE = {("none", "fp32"): 40.0, ("bf16", "bf16"): 12.0, ("int8", "bf16"): 9.0, ("int8", "fp32"): 200.0,
+             ("int4", "bf16"): 10.0, ("int4", "fp32"): 400.0}
+
+
+def test_fastest_format_whose_quality_holds(tiny_model, tmp_path, monkeypatch):
+    calls = fake_machine(monkeypatch, AVX2_LIKE, quality={("int8", "bf16"): 0.05})  # int8 fastest, but lossy
+    runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert choice.format == Format("int4", "bf16", "fp32") and (runner.quantize, runner.inputs) == ("int4", torch.bfloat16)
+    assert not choice.cached and calls["quality"] == 2
+    # Only candidates within 3x of the best estimate get whole steps timed: not fp32, nor the scalar fp32-input paths.
+    assert calls["steps"] == 3 and len(choice.estimate_ms) == 6
+    assert choice.step_ms == {"bf16 (bf16 inputs, fp32 cache)": 12.0, "int8 (bf16 inputs, fp32 cache)": 9.0,
+                              "int4 (bf16 inputs, fp32 cache)": 10.0}
+
+
+def test_whole_steps_overrule_the_one_layer_estimate(tiny_model, tmp_path, monkeypatch):
+    estimates = {**AVX2_LIKE, ("int8", "bf16"): 4.0}  # cache-resident weights flatter int8
+    fake_machine(monkeypatch, AVX2_LIKE | {("int8", "bf16"): 11.0}, estimate_ms=estimates)
+    _, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert choice.format.quantize == "int4"
+
+
+def test_a_cpu_where_fp32_inputs_win(tiny_model, tmp_path, monkeypatch):
+    """As the AVX-512 machine without bf16 measured for int4 (PERF-NOTES.md)."""
+    fake_machine(monkeypatch, {**AVX2_LIKE, ("int4", "fp32"): 5.0, ("int4", "bf16"): 30.0, ("bf16", "bf16"): 50.0})
+    runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert choice.format == Format("int4", "fp32") and runner.inputs == torch.float32
+
+
+def test_kernels_missing_on_this_cpu_are_skipped(tiny_model, tmp_path, monkeypatch, caplog):
+    fake_machine(monkeypatch, AVX2_LIKE, missing={("int8", "bf16"), ("int4", "bf16")})
+    with caplog.at_level(logging.INFO, logger="tornchat.engine"):
+        _, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert choice.format == Format("bf16", "bf16")
+    assert "do not run here: kernel not built for this CPU" in caplog.text and "second line" not in caplog.text
+    fake_machine(monkeypatch, AVX2_LIKE, missing={("bf16", "bf16")})
+    with pytest.raises(autotune.NoFormat, match="--quantize bf16: none of its kernels runs on this CPU"):
+        autotune.choose(tiny_model, "bf16", IDS, tmp_path / "d.json", "ckpt")
+
+
+def test_an_explicit_mode_times_its_inputs_and_skips_the_quality_gate(tiny_model, tmp_path, monkeypatch):
+    calls = fake_machine(monkeypatch, {**AVX2_LIKE, ("int8", "fp32"): 8.0}, quality={("int8", "fp32"): 0.5})
+    runner, choice = autotune.choose(tiny_model, "int8", IDS, tmp_path / "d.json", "ckpt")
+    assert choice.format == Format("int8", "fp32") and calls["quality"] == 0
+    assert set(choice.estimate_ms) == {"int8 (bf16 inputs, fp32 cache)", "int8 (fp32 inputs, fp32 cache)"}
+
+
+def test_int4_is_no_candidate_where_the_shapes_do_not_fit():
+    assert [f.quantize for f in autotune.candidates("auto", int4_fits=False)] == ["none", "bf16", "int8", "int8"]
+    assert autotune.candidates("int4", int4_fits=False) == []
+
+
+def test_the_bf16_cache_goes_with_the_packed_formats_where_it_pays(tiny_model, tmp_path, monkeypatch):
+    fake_machine(monkeypatch, AVX2_LIKE)
+    monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (True, {}))
+    runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert choice.format == Format("int8", "bf16", "bf16") and runner.new_cache().kv.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("decode, prefill, pays", [((1, 2), (10, 10), True), ((2, 1), (10, 10), False),
+                                                   ((1, 2), (20, 10), False)])
+def test_a_bf16_cache_must_win_decode_and_lose_nothing_on_prefill(tiny_model, monkeypatch, decode, prefill, pays):
+    table = {(torch.bfloat16, 1): decode[0], (torch.float32, 1): decode[1],
+             (torch.bfloat16, 64): prefill[0], (torch.float32, 64): prefill[1]}
+    monkeypatch.setattr(autotune, "time_attention", lambda base, dtype, rows: table[dtype, rows])
+    decided, ms = autotune.bf16_cache_pays(llama.LlamaRunner(tiny_model))
+    assert decided == pays and ms["decode bf16"] == 1000 * decode[0]
+
+
+def test_the_decision_is_cached_per_cpu_checkpoint_and_mode(tiny_model, tmp_path, monkeypatch):
+    cache_file = tmp_path / "d.json"
+    calls = fake_machine(monkeypatch, AVX2_LIKE)
+    _, first = autotune.choose(tiny_model, "auto", IDS, cache_file, "ckpt")
+    measured = dict(calls)
+    runner, again = autotune.choose(tiny_model, "auto", IDS, cache_file, "ckpt")
+    assert calls == measured and again.cached and again.format == first.format == Format("int8", "bf16")
+    assert (runner.quantize, runner.inputs) == ("int8", torch.bfloat16)
+    stored = json.loads(cache_file.read_text())
+    assert len(stored) == 1 and "packed" not in cache_file.read_text()  # the decision, never weights
+    key = json.loads(next(iter(stored)))
+    assert cpu.model_name() in key and torch.__version__ in key
+    for change in (lambda: autotune.choose(tiny_model, "auto", IDS, cache_file, "another checkpoint"),
+                   lambda: autotune.choose(tiny_model, "int4", IDS, cache_file, "ckpt")):
+        before = calls["matmuls"]
+        change()
+        assert calls["matmuls"] > before
+    monkeypatch.setattr(cpu, "model_name", lambda: "Some Other CPU")
+    before = calls["matmuls"]
+    autotune.choose(tiny_model, "auto", IDS, cache_file, "ckpt")
+    assert calls["matmuls"] > before and len(json.loads(cache_file.read_text())) == 4
+
+
+def test_real_measurement_on_a_tiny_model(tiny_model, tmp_path, caplog):
+    """No fakes: every candidate that runs on this CPU is timed, and the choice passes its own quality gate."""
+    with caplog.at_level(logging.INFO, logger="tornchat.engine"):
+        runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "tiny")
+    assert choice.format in [Format(f.quantize, f.inputs, choice.format.kv) for f in autotune.candidates("auto", True)]
+    assert choice.step_ms and all(ms > 0 for ms in choice.step_ms.values())
+    assert choice.step_ms[choice.format.label()] == min(choice.step_ms.values()) or "rejected" in caplog.text
+    if choice.format.quantize != "none":
+        assert autotune.passes(autotune.check_quality(runner, IDS))
+    assert "chosen in" in caplog.text
+
+
+def test_check_quality_measures_the_decode_weights(tiny_model):
+    runner = llama.LlamaRunner(tiny_model, quantize="int8")
+    same = autotune.check_quality(llama.LlamaRunner(tiny_model), IDS)  # decode reads the model's own weights
+    assert same["perplexity_rise"] == pytest.approx(0, abs=1e-6) and same["agreement"] == 1.0
+    broken = llama.LlamaRunner(tiny_model, quantize="int8")
+    broken.decode_head = -broken.lm_head  # the opposite preferences
+    quality = autotune.check_quality(broken, IDS)
+    assert quality["perplexity_rise"] > 0.02 and not autotune.passes(quality)
+    assert autotune.passes(autotune.check_quality(runner, IDS))

@@ -1,0 +1,40 @@
+"""CPU probes: what benchmark tables and the start-up log name, on CPUs other than this one too."""
+import torch
+
+from tornchat.engine import cpu, quant
+
+ZEN3 = {"model name": "AMD EPYC 7B13", "flags": "fpu sse2 avx avx2 fma f16c bmi2"}
+SAPPHIRE_RAPIDS = {"model name": "Intel(R) Xeon(R) Platinum 8481C",
+                   "flags": "avx2 fma avx512f avx512bw avx512_vnni avx512_bf16 amx_bf16 amx_tile"}
+GRAVITON = {"CPU implementer": "0x41", "Features": "fp asimd aes crc32 atomics bf16 i8mm sve"}
+
+
+def test_describe_names_the_cpu_and_the_flags_that_decide_kernels(monkeypatch):
+    for info, present, absent in ((ZEN3, ["avx2", "fma"], ["avx512f", "amx_tile"]),
+                                  (SAPPHIRE_RAPIDS, ["avx512_bf16", "amx_bf16", "avx512_vnni"], ["asimd"]),
+                                  (GRAVITON, ["asimd", "sve", "bf16", "i8mm"], ["avx2"])):
+        monkeypatch.setattr(cpu, "_cpuinfo", lambda info=info: info)
+        line = cpu.describe()
+        assert line.startswith(info.get("model name", cpu.model_name()))
+        assert all(f" {flag}" in line for flag in present) and not any(f" {flag} " in line for flag in absent)
+        assert f"torch {torch.__version__}" in line
+
+
+def test_a_machine_without_proc_cpuinfo_still_gets_a_name(monkeypatch):
+    monkeypatch.setattr(cpu, "_cpuinfo", lambda: {})
+    assert cpu.model_name() and cpu.flags() == frozenset() and "no notable flags" in cpu.describe()
+
+
+def test_this_machine(capsys):
+    with capsys.disabled():
+        print(f"\n  running on: {cpu.describe()}")
+    assert cpu.model_name() == cpu._cpuinfo().get("model name", cpu.model_name())
+
+
+def test_packs_bf16_is_what_onednn_really_does():
+    weight = torch.randn(64, 64)
+    packed = quant.to_bf16(weight)
+    assert isinstance(packed, quant.Bf16Weight) == cpu.packs_bf16()
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(quant.linear(x, packed).float(), x.bfloat16().float() @ weight.bfloat16().float().T,
+                               atol=2e-2, rtol=2e-2)

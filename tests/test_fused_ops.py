@@ -1,0 +1,81 @@
+"""The lean forward's fused C++ ops against their PyTorch references (tornchat/engine/fused.py)."""
+import pytest
+import torch
+
+from tornchat.engine import fused, llama
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def test_the_extension_is_built():
+    # The README's install builds it; without it the references run and decode is slower, not wrong.
+    assert fused.NATIVE is not None, "tornchat/engine/_fused is not built: pip install --no-build-isolation -e ."
+    assert fused.ops_for(torch.device("cpu"), torch.float32) is fused.NATIVE
+    assert fused.ops_for(torch.device("cpu"), torch.bfloat16) is fused.REFERENCE  # C++ ops take fp32 residuals
+    assert fused.ops_for(torch.device("meta"), torch.float32) is fused.REFERENCE
+
+
+@pytest.mark.parametrize("bf16_out", [False, True])
+def test_rms_norm(bf16_out):
+    x, weight = torch.randn(3, 576) * 4, torch.rand(576) + 0.5
+    got, expected = fused.NATIVE.rms_norm(x, weight, 1e-5, bf16_out), fused.rms_norm_ref(x, weight, 1e-5, bf16_out)
+    assert got.dtype == expected.dtype == (torch.bfloat16 if bf16_out else torch.float32)
+    # fp32 sums in another order; bf16 rounds once, so at most one unit in the last place apart.
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=1e-5 if not bf16_out else 2**-7)
+    # Semantics, independent of both: unit root-mean-square before the weight.
+    plain = fused.rms_norm_ref(x, torch.ones(576), 1e-5, False)
+    torch.testing.assert_close(plain.pow(2).mean(-1), torch.ones(3), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("in_dtype", DTYPES)
+def test_rope_store(in_dtype, kv_dtype):
+    heads, kv_heads, head_dim, rows, start = 9, 3, 64, 5, 7
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(in_dtype)
+    angles = torch.rand(rows, head_dim // 2) * 6
+    freqs = torch.view_as_real(torch.polar(torch.full_like(angles, 1.1), angles)).contiguous()
+    results = []
+    for rope_store in (fused.NATIVE.rope_store, fused.rope_store_ref):
+        cache = torch.zeros(2, 16, kv_heads, head_dim, dtype=kv_dtype)
+        queries = rope_store(qkv, freqs, cache[0, start : start + rows], cache[1, start : start + rows], heads, kv_heads)
+        results.append((queries, cache))
+    (got_q, got_cache), (ref_q, ref_cache) = results
+    assert got_q.shape == (rows, heads, head_dim) and got_q.dtype == ref_q.dtype == kv_dtype
+    tolerance = {"atol": 1e-5, "rtol": 1e-5} if kv_dtype == torch.float32 else {"atol": 1e-2, "rtol": 2**-7}
+    torch.testing.assert_close(got_q.float(), ref_q.float(), **tolerance)
+    torch.testing.assert_close(got_cache.float(), ref_cache.float(), **tolerance)
+    assert got_cache[:, :start].eq(0).all() and got_cache[:, start + rows :].eq(0).all()  # only its rows written
+    # Values are copied, not rotated; a rotation keeps each pair's length, times the magnitude 1.1.
+    torch.testing.assert_close(got_cache[1, start : start + rows].float(), qkv[:, -kv_heads * head_dim :].float().to(kv_dtype).float().view(rows, kv_heads, head_dim))
+    pairs = qkv[:, : heads * head_dim].float().view(rows, heads, -1, 2)
+    torch.testing.assert_close(got_q.float().view(rows, heads, -1, 2).norm(dim=-1), 1.1 * pairs.norm(dim=-1), **tolerance)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    gate_up = (torch.randn(4, 2 * 1536) * 3).to(dtype)
+    got, expected = fused.NATIVE.silu_mul(gate_up), fused.silu_mul_ref(gate_up)
+    assert got.shape == (4, 1536) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 2**-7)
+
+
+def test_bad_inputs_raise_instead_of_crashing():
+    with pytest.raises(RuntimeError, match="contiguous"):
+        fused.NATIVE.rms_norm(torch.randn(576, 3).T, torch.ones(576), 1e-5, False)
+    with pytest.raises(RuntimeError, match="fp32"):
+        fused.NATIVE.rms_norm(torch.randn(3, 576).double(), torch.ones(576), 1e-5, False)
+    with pytest.raises(RuntimeError, match="qkv width"):
+        fused.NATIVE.rope_store(torch.randn(1, 100), torch.randn(1, 32, 2), torch.zeros(1, 3, 64), torch.zeros(1, 3, 64), 9, 3)
+
+
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_runner_gives_the_same_logits_with_either_ops(tiny_model, quantize):
+    native, reference = llama.LlamaRunner(tiny_model, quantize=quantize), llama.LlamaRunner(tiny_model, quantize=quantize)
+    assert native.ops is fused.NATIVE
+    reference.ops = fused.REFERENCE
+    tokens = list(range(30, 70))
+    caches = native.new_cache(), reference.new_cache()
+    torch.testing.assert_close(native.forward(tokens, caches[0]), reference.forward(tokens, caches[1]), atol=1e-4, rtol=1e-4)
+    for token in (3, 4, 5):
+        torch.testing.assert_close(native.forward([token], caches[0], decode=True),
+                                   reference.forward([token], caches[1], decode=True), atol=2e-2, rtol=2e-2)

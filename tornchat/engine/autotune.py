@@ -1,0 +1,237 @@
+"""The decode weights' format, chosen by timing on this machine and remembered.
+
+Which format decodes fastest depends on the CPU, not on one flag: PyTorch's
+int4 and int8 kernels run 10-28x faster with bf16 inputs than fp32 ones on
+AVX2 and AVX-512 BF16 machines, but one AVX-512 machine without bf16 had
+the fp32 int4 path fastest; oneDNN's packed bf16 linear refuses AVX2-only
+CPUs; int8 beat int4 on large shapes on AVX2 (PERF-NOTES.md, README). So at
+start-up each candidate is packed for the model's own layer shapes and
+timed, and the fastest whose quality holds is kept: perplexity and greedy
+agreement through the decode weights, against the model's own weights, on a
+fixed chat. The decision (never the packed weights, whose layout depends on
+the instruction set) is cached, keyed by CPU, checkpoint, torch version and
+thread count, so later starts skip the timing.
+"""
+import json
+import logging
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tornchat.engine import cpu, quant
+from tornchat.engine.llama import QUANTIZE, LlamaRunner, packers
+
+log = logging.getLogger("tornchat.engine")
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MAX_PERPLEXITY_RISE = 0.02  # bf16 inputs alone moved it +0.9% on the embedded model (int4 layers, lossless there)
+MIN_AGREEMENT = 0.95  # of greedy choices, where the model's own weights are not near a tie
+NEAR_TIE = 0.5  # logits closer than this between the first and second choice are a tie
+ATTENTION_POSITIONS = 1024  # context at which the cache's dtype is timed
+FINALIST_MARGIN = 3.0  # candidates whose one-layer estimate is within this of the best get whole steps timed:
+# the estimate reads weights from the CPU cache and misranks close formats (int8 looked 2x faster than
+# int4 there, and was 1.3x slower in whole steps), but it does screen out 10-30x slower scalar paths
+QUALITY_TEXT = [
+    {"role": "user", "content": "Explain in a few sentences why the sky is blue, and why sunsets are red."},
+    {"role": "assistant", "content": (
+        "Sunlight holds every color. As it crosses the atmosphere, molecules of nitrogen and oxygen scatter "
+        "short wavelengths, blue and violet, far more strongly than long ones: this is Rayleigh scattering. "
+        "The scattered blue light reaches our eyes from every direction, so the whole sky looks blue. At sunset "
+        "the light travels through much more air before it reaches us, most of the blue is scattered away on "
+        "the way, and the reds and oranges that remain color the sky near the sun.")},
+]
+
+
+@dataclass(frozen=True)
+class Format:
+    quantize: str  # none | bf16 | int8 | int4 (llama.QUANTIZE)
+    inputs: str = "fp32"  # what the int4 and int8 kernels are fed: bf16 | fp32
+    kv: str = "fp32"  # the KV cache's dtype: bf16 | fp32
+
+    def label(self) -> str:
+        return f"{self.quantize} ({self.inputs} inputs, {self.kv} cache)"
+
+    def runner(self, model: torch.nn.Module) -> LlamaRunner:
+        return LlamaRunner(model, quantize=self.quantize, inputs=DTYPES[self.inputs], kv_dtype=DTYPES[self.kv])
+
+
+@dataclass
+class Choice:
+    format: Format
+    step_ms: dict[str, float] = field(default_factory=dict)  # finalists' labels -> ms per whole decode step
+    estimate_ms: dict[str, float] = field(default_factory=dict)  # every candidate -> one layer's matmuls x layers
+    quality: dict[str, float] = field(default_factory=dict)  # perplexity_rise, agreement of the kept format
+    cached: bool = False
+
+
+class NoFormat(Exception):
+    """No candidate runs on this CPU for the requested --quantize; the message is one line."""
+
+
+def candidates(requested: str, int4_fits: bool) -> list[Format]:
+    """Formats to time for --quantize requested (auto: all), before the cache's dtype is picked."""
+    modes = QUANTIZE if requested == "auto" else (requested,)
+    found = []
+    for mode in modes:
+        if mode == "none":
+            found.append(Format("none"))
+        elif mode == "bf16":
+            found.append(Format("bf16", inputs="bf16"))
+        elif mode == "int8" or int4_fits:
+            found += [Format(mode, inputs="bf16"), Format(mode, inputs="fp32")]
+    return found
+
+
+def _seconds(fn, repeats: int = 7, calls: int = 10) -> float:
+    """Median seconds per call of fn over repeats batches, after a warm-up batch."""
+    for _ in range(calls):
+        fn()
+    batches = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        batches.append((time.perf_counter() - started) / calls)
+    return statistics.median(batches)
+
+
+def time_matmuls(fmt: Format, base: LlamaRunner) -> float:
+    """Seconds per token of a decode step's matmuls in fmt: one layer's matrices packed and timed, times the
+    layer count, plus the output projection. Raises RuntimeError where a kernel does not run on this CPU."""
+    pack_layer, pack_head = packers(fmt.quantize, DTYPES[fmt.inputs])
+    pack_layer, pack_head = pack_layer or (lambda w: w), pack_head or (lambda w: w)
+    layer = base.layers[0]
+    total = 0.0
+    for matrix in (layer.wqkv, layer.wo, layer.w13, layer.w2):
+        weight = pack_layer(matrix)
+        x = torch.randn(1, matrix.shape[1]).to(quant.input_dtype(weight))
+        total += _seconds(lambda: quant.linear(x, weight))
+    head = pack_head(base.lm_head)
+    x = torch.randn(1, base.hidden).to(quant.input_dtype(head))
+    return total * len(base.layers) + _seconds(lambda: quant.linear(x, head), repeats=5, calls=3)
+
+
+def time_attention(base: LlamaRunner, dtype: torch.dtype, rows: int) -> float:
+    """Seconds per layer of attention for rows new queries over ATTENTION_POSITIONS cached ones."""
+    groups = base.heads // base.kv_heads
+    q = torch.randn(1, base.kv_heads, groups * rows, base.head_dim).to(dtype)
+    kv = torch.randn(2, 1, base.kv_heads, ATTENTION_POSITIONS, base.head_dim).to(dtype)
+    mask = torch.ones(groups * rows, ATTENTION_POSITIONS, dtype=torch.bool) if rows > 1 else None
+    return _seconds(lambda: F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask), repeats=5, calls=4)
+
+
+def bf16_cache_pays(base: LlamaRunner) -> tuple[bool, dict[str, float]]:
+    """A bf16 cache halves the bytes attention reads, but where bf16 arithmetic is emulated it can cost more
+    than it saves; prefill shares the cache, so it must win for a decode step and lose nothing on a chunk."""
+    ms = {f"{kind} {name}": 1000 * time_attention(base, dtype, rows)
+          for kind, rows in (("decode", 1), ("prefill", 64)) for name, dtype in DTYPES.items()}
+    return ms["decode bf16"] < ms["decode fp32"] and ms["prefill bf16"] <= 1.05 * ms["prefill fp32"], ms
+
+
+def check_quality(runner: LlamaRunner, ids: list[int]) -> dict[str, float]:
+    """The decode weights against the model's own on ids: perplexity rise, and agreement of greedy choices
+    at the positions where the model's own logits are not near a tie (random-weight models have few)."""
+    own, decode = runner.score(ids, decode=False), runner.score(ids, decode=True)
+    targets = torch.tensor(ids[1:])
+    rise = math.exp(float(F.cross_entropy(decode[:-1], targets) - F.cross_entropy(own[:-1], targets))) - 1
+    top2 = own.topk(2, dim=-1).values
+    decided = (top2[:, 0] - top2[:, 1]) >= NEAR_TIE
+    same = decode.argmax(-1) == own.argmax(-1)
+    agreement = float(same[decided].float().mean()) if decided.any() else 1.0
+    return {"perplexity_rise": rise, "agreement": agreement, "positions": float(decided.sum())}
+
+
+def passes(quality: dict[str, float]) -> bool:
+    return quality["perplexity_rise"] <= MAX_PERPLEXITY_RISE and quality["agreement"] >= MIN_AGREEMENT
+
+
+def cache_key(requested: str, checkpoint: str) -> str:
+    """What the decision depends on: CPU, checkpoint, torch, threads and the requested mode."""
+    return json.dumps([cpu.model_name(), sorted(cpu.flags()), torch.__version__, torch.get_num_threads(),
+                       checkpoint, requested])
+
+
+def _read(path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def time_steps(runner: LlamaRunner, ids: list[int], steps: int = 24) -> float:
+    """Median seconds of a real decode step: weights streamed from memory, every op included."""
+    cache = runner.new_cache()
+    runner.forward(ids[:8], cache)
+    times = []
+    for token in ids[8 : 8 + steps]:
+        started = time.perf_counter()
+        runner.forward([token], cache, decode=True)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[2:])
+
+
+def choose(model: torch.nn.Module, requested: str, quality_ids: list[int], cache_file, checkpoint: str
+           ) -> tuple[LlamaRunner, Choice]:
+    """The runner for --quantize requested (auto or a mode) on a CPU, and why it was chosen.
+
+    Two rounds of timing: each candidate's matmuls for one layer (cheap, but
+    the weights sit in the CPU's cache), then whole decode steps of the
+    candidates within FINALIST_MARGIN of the best, packed for real. An
+    explicit mode still has its kernels' input dtype and the cache's dtype
+    timed, and no quality check (the user asked for it).
+    """
+    key = cache_key(requested, checkpoint)
+    known = _read(cache_file).get(key)
+    if known:
+        choice = Choice(Format(**known["format"]), known["step_ms"], known["estimate_ms"], known["quality"], cached=True)
+        log.info("decode weights %s: measured on an earlier start (%s)", choice.format.label(), cache_file)
+        return choice.format.runner(model), choice
+
+    started = time.perf_counter()
+    base = LlamaRunner(model)  # the model's own weights: the shapes to time and the quality reference
+    int4_fits = all(quant.supports(m, 32) for m in base.layers[0][1:] if isinstance(m, torch.Tensor) and m.dim() == 2)
+    bf16_cache, attention_ms = bf16_cache_pays(base)
+    estimates = {}
+    for fmt in candidates(requested, int4_fits):
+        if fmt.quantize != "none" and bf16_cache:
+            fmt = Format(fmt.quantize, fmt.inputs, kv="bf16")
+        try:
+            estimates[fmt] = time_matmuls(fmt, base)
+        except RuntimeError as exc:  # a kernel this CPU's build lacks
+            log.info("decode weights %s do not run here: %s", fmt.label(), str(exc).splitlines()[0])
+    if not estimates:
+        raise NoFormat(f"--quantize {requested}: none of its kernels runs on this CPU ({cpu.model_name()})")
+    best = min(estimates.values())
+    runners = {fmt: base if fmt == Format("none") else fmt.runner(model)
+               for fmt, s in estimates.items() if s <= FINALIST_MARGIN * best}
+    steps = {fmt: time_steps(runner, quality_ids) for fmt, runner in runners.items()}
+    step_ms = {fmt.label(): round(1000 * s, 3) for fmt, s in steps.items()}
+    estimate_ms = {fmt.label(): round(1000 * s, 3) for fmt, s in estimates.items()}
+    log.info("decode step, ms: %s; estimates from one layer's matmuls, ms: %s; attention at %d positions, ms per "
+             "layer: %s", step_ms, estimate_ms, ATTENTION_POSITIONS, {k: round(v, 3) for k, v in attention_ms.items()})
+    ranked = sorted(steps, key=steps.get) + sorted(set(estimates) - set(steps), key=estimates.get)
+    for fmt in ranked:
+        runner = runners.get(fmt) or (base if fmt == Format("none") else fmt.runner(model))
+        quality = check_quality(runner, quality_ids) if requested == "auto" and fmt.quantize != "none" else {}
+        if quality and not passes(quality):
+            log.info("decode weights %s rejected: %s", fmt.label(), quality)
+            continue
+        choice = Choice(fmt, step_ms, estimate_ms, quality)
+        log.info("decode weights %s chosen in %.1f s (quality %s)", fmt.label(), time.perf_counter() - started, quality)
+        _remember(cache_file, key, choice)
+        return runner, choice
+    raise AssertionError("unreachable: auto ranks the model's own weights, which always pass")
+
+
+def _remember(cache_file, key: str, choice: Choice) -> None:
+    decisions = _read(cache_file)
+    decisions[key] = {"format": asdict(choice.format), "step_ms": choice.step_ms, "estimate_ms": choice.estimate_ms,
+                      "quality": choice.quality}
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache_file.with_name(cache_file.name + ".partial")
+    partial.write_text(json.dumps(decisions, indent=1))
+    partial.replace(cache_file)

@@ -1,0 +1,144 @@
+// The lean forward's small operations, each one pass over its data.
+//
+// A decode step on a small model spends as long dispatching ~40 tiny eager
+// PyTorch ops per layer as in its matmuls; each function here replaces
+// several of them. Their semantics are defined by the PyTorch references
+// in tornchat/engine/fused.py, which the tests compare them with. Arithmetic
+// is fp32; bf16 outputs are rounded once, to nearest even.
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+using c10::BFloat16;
+
+inline float to_float(float v) { return v; }
+inline float to_float(BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+const T* data_of(const at::Tensor& t) {
+  return t.data_ptr<T>();
+}
+
+void check_cpu_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+}
+
+template <typename Out>
+void rms_norm_rows(const float* x, const float* w, Out* out, int64_t rows, int64_t hidden, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * hidden;
+    Out* yr = out + r * hidden;
+    float squares = 0.f;
+    for (int64_t i = 0; i < hidden; ++i) squares += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+    for (int64_t i = 0; i < hidden; ++i) yr[i] = static_cast<Out>(xr[i] * inv * w[i]);
+  }
+}
+
+// x [rows, hidden] fp32, weight [hidden] fp32 -> [rows, hidden], bf16 if bf16_out else fp32.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool bf16_out) {
+  check_cpu_contiguous(x, "x");
+  check_cpu_contiguous(weight, "weight");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm takes fp32");
+  const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
+  TORCH_CHECK(weight.numel() == hidden, "weight must have x's last size");
+  auto out = at::empty(x.sizes(), x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  if (bf16_out)
+    rms_norm_rows(data_of<float>(x), data_of<float>(weight), out.data_ptr<BFloat16>(), rows, hidden, float(eps));
+  else
+    rms_norm_rows(data_of<float>(x), data_of<float>(weight), out.data_ptr<float>(), rows, hidden, float(eps));
+  return out;
+}
+
+template <typename In, typename Kv>
+void rope_store_rows(const In* qkv, const float* freqs, Kv* queries, Kv* keys, Kv* values, int64_t rows,
+                     int64_t heads, int64_t kv_heads, int64_t head_dim) {
+  const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const In* row = qkv + r * width;
+    const float* f = freqs + r * head_dim;  // (cos, sin) pairs, magnitude included
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      const In* src = row + h * head_dim;
+      Kv* dst = h < heads ? queries + (r * heads + h) * head_dim : keys + (r * kv_heads + h - heads) * head_dim;
+      for (int64_t j = 0; j < half; ++j) {
+        const float a = to_float(src[2 * j]), b = to_float(src[2 * j + 1]);
+        const float c = f[2 * j], s = f[2 * j + 1];
+        dst[2 * j] = static_cast<Kv>(a * c - b * s);
+        dst[2 * j + 1] = static_cast<Kv>(a * s + b * c);
+      }
+    }
+    const In* v = row + (heads + kv_heads) * head_dim;
+    Kv* vdst = values + r * kv_heads * head_dim;
+    for (int64_t i = 0; i < kv_heads * head_dim; ++i) vdst[i] = static_cast<Kv>(to_float(v[i]));
+  }
+}
+
+// qkv [rows, (heads + 2 kv_heads) * head_dim] (fp32 or bf16), freqs [rows, head_dim / 2, 2] fp32,
+// keys and values [rows, kv_heads, head_dim] views into the cache (fp32 or bf16, both alike).
+// Rotates queries and keys, writes keys and values into the cache; returns queries [rows, heads, head_dim]
+// in the cache's dtype.
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor keys, at::Tensor values,
+                      int64_t heads, int64_t kv_heads) {
+  check_cpu_contiguous(qkv, "qkv");
+  check_cpu_contiguous(freqs, "freqs");
+  check_cpu_contiguous(keys, "keys");
+  check_cpu_contiguous(values, "values");
+  const int64_t rows = qkv.size(0), head_dim = keys.size(-1);
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * head_dim, "qkv width does not match the heads");
+  TORCH_CHECK(freqs.scalar_type() == at::kFloat && freqs.numel() == rows * head_dim, "freqs must be fp32 [rows, head_dim / 2, 2]");
+  TORCH_CHECK(keys.numel() == rows * kv_heads * head_dim && values.sizes() == keys.sizes(), "keys and values must be [rows, kv_heads, head_dim]");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values must share a dtype");
+  auto queries = at::empty({rows, heads, head_dim}, keys.options());
+  const bool in_bf16 = qkv.scalar_type() == at::kBFloat16, kv_bf16 = keys.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(in_bf16 || qkv.scalar_type() == at::kFloat, "qkv must be fp32 or bf16");
+  TORCH_CHECK(kv_bf16 || keys.scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
+  const float* f = data_of<float>(freqs);
+#define ROPE(IN, KV) \
+  rope_store_rows(data_of<IN>(qkv), f, queries.data_ptr<KV>(), keys.data_ptr<KV>(), values.data_ptr<KV>(), rows, heads, kv_heads, head_dim)
+  if (in_bf16 && kv_bf16) ROPE(BFloat16, BFloat16);
+  else if (in_bf16) ROPE(BFloat16, float);
+  else if (kv_bf16) ROPE(float, BFloat16);
+  else ROPE(float, float);
+#undef ROPE
+  return queries;
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up + r * 2 * width;
+    const T* up = gate + width;
+    T* y = out + r * width;
+    for (int64_t i = 0; i < width; ++i) {
+      const float g = to_float(gate[i]);
+      y[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+    }
+  }
+}
+
+// gate_up [rows, 2 * width] (gate then up) -> silu(gate) * up [rows, width], same dtype (fp32 or bf16).
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_cpu_contiguous(gate_up, "gate_up");
+  const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * width);
+  auto out = at::empty({rows, width}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16)
+    silu_mul_rows(data_of<BFloat16>(gate_up), out.data_ptr<BFloat16>(), rows, width);
+  else if (gate_up.scalar_type() == at::kFloat)
+    silu_mul_rows(data_of<float>(gate_up), out.data_ptr<float>(), rows, width);
+  else
+    TORCH_CHECK(false, "silu_mul takes fp32 or bf16");
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_fused, m) {
+  m.def("rms_norm", &rms_norm, "RMS norm of fp32 rows, out in fp32 or bf16");
+  m.def("rope_store", &rope_store, "RoPE on queries and keys; keys and values written into the cache");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+}

@@ -1,0 +1,73 @@
+"""The lean forward's small operations: one C++ pass each where the extension is built, else PyTorch.
+
+A small model's decode step spent as long in ~40 tiny eager ops per layer
+as in its matmuls (a third of a step on an AVX-512 machine). ``csrc/fused.cpp``
+does each group below in one call; ``pip install`` builds it (setup.py),
+and where that was not possible (no compiler, another platform) the
+references here run instead. The references define the semantics, and
+the tests hold the C++ to them.
+"""
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def _load():
+    try:
+        return importlib.import_module("tornchat.engine._fused")
+    except ImportError:
+        return None
+
+
+_native = _load()  # the compiled module, or None
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, bf16_out: bool) -> torch.Tensor:
+    """RMS norm of fp32 rows, in fp32, rounded to bf16 once if bf16_out."""
+    y = F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return y.bfloat16() if bf16_out else y
+
+
+def rope_store_ref(qkv, freqs, keys, values, heads: int, kv_heads: int) -> torch.Tensor:
+    """Rotate queries and keys by RoPE, write keys and values into the cache, return the queries.
+
+    qkv [n, (heads + 2 kv_heads) * head_dim] holds queries, keys and values,
+    each head's dimensions in (x1, x2) pairs (``llama.interleave_rope_rows``);
+    freqs [n, head_dim / 2, 2] the (cos, sin) of each pair's angle, times the
+    RoPE magnitude. keys and values [n, kv_heads, head_dim] are the cache
+    rows to fill. Rotation is in fp32; queries come back [n, heads, head_dim]
+    in the cache's dtype.
+    """
+    n, head_dim = qkv.shape[0], keys.shape[-1]
+    rotated = torch.view_as_complex(qkv[:, : (heads + kv_heads) * head_dim].float().reshape(n, heads + kv_heads, -1, 2))
+    rotated = torch.view_as_real(rotated * torch.view_as_complex(freqs)[:, None]).reshape(n, heads + kv_heads, head_dim)
+    keys.copy_(rotated[:, heads:])
+    values.copy_(qkv[:, (heads + kv_heads) * head_dim :].reshape(values.shape))
+    return rotated[:, :heads].to(keys.dtype)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of [n, 2F] rows holding gate then up, in fp32, rounded once to the input's dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
+    rope_store: Callable[..., torch.Tensor]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+REFERENCE = Ops(rms_norm_ref, rope_store_ref, silu_mul_ref)
+NATIVE = Ops(_native.rms_norm, _native.rope_store, _native.silu_mul) if _native else None
+
+
+def ops_for(device: torch.device, dtype: torch.dtype) -> Ops:
+    """The C++ ops for an fp32 model on the CPU where they are built, else the references."""
+    if NATIVE is not None and device.type == "cpu" and dtype == torch.float32:
+        return NATIVE
+    return REFERENCE
