@@ -5,7 +5,8 @@ each --quantize format (int4 and int8 fed bf16 inputs; the fp32-input paths
 are 10-30x slower on every CPU measured so far, and autotune's log shows
 them); the format `--quantize auto` picks on this machine (timed afresh);
 that format with the PyTorch reference ops instead of the C++ fused ones
-(the fused-ops lever); and llama.cpp on the same GGUF when llama-cpp-python
+(the fused-ops lever), and with the C++ ops called from the Python layer
+loop instead of the C++ decode step; and llama.cpp on the same GGUF when llama-cpp-python
 is installed. For each: greedy decode tokens/s after a short chat prompt and
 after a ~2,000-token one, and prefill tokens/s of that prompt (in the
 engine's 512-token chunks). Runners take turns round by round, so load from
@@ -142,8 +143,11 @@ def main() -> None:
         auto, choice = autotune.choose(model, "auto", build.quality_ids(tokenizer), Path(fresh) / "d.json", "bench")
     print(f"auto picks {choice.format.label()}; whole decode steps, ms: {choice.step_ms}; one-layer estimates, "
           f"ms: {choice.estimate_ms}; quality {choice.quality}")
-    auto_reference_ops = choice.format.runner(model)
-    auto_reference_ops.ops = fused.REFERENCE
+    auto_loop = choice.format.runner(model)
+    auto_loop.decode_step = None  # the C++ ops, called from the Python loop
+    fmt = choice.format
+    auto_reference_ops = llama.LlamaRunner(model, fmt.quantize, autotune.DTYPES[fmt.inputs], autotune.DTYPES[fmt.kv],
+                                           ops=fused.REFERENCE)
     runners = {
         "hf fp32": HFRunner(model),
         "lean fp32": llama.LlamaRunner(model),
@@ -151,6 +155,7 @@ def main() -> None:
         "lean int8 (bf16 inputs)": llama.LlamaRunner(model, quantize="int8"),
         "lean int4, int8 head (bf16 inputs)": llama.LlamaRunner(model, quantize="int4"),
         f"auto: {choice.format.label()}": auto,
+        "auto, C++ ops from the Python loop": auto_loop,
         "auto, PyTorch reference ops": auto_reference_ops,
     }
     if importlib.util.find_spec("llama_cpp"):
@@ -187,7 +192,8 @@ def main() -> None:
     print(f"\nWhere a decode step of the auto format goes, ms (short prompt; kernel times from torch.profiler):")
     print("| ops | step | matmuls | attention | rest: per-op overhead | overhead share |")
     print("|---|---|---|---|---|---|")
-    for name, runner in (("C++ fused", auto), ("PyTorch reference", auto_reference_ops)):
+    for name, runner in (("C++ decode step", auto), ("C++ ops, Python loop", auto_loop),
+                         ("PyTorch reference ops", auto_reference_ops)):
         parts = step_breakdown(runner, prompt, args.steps)
         print(f"| {name} | {parts['wall']:.2f} | {parts['matmul']:.2f} | {parts['attention']:.2f} | {parts['other']:.2f} "
               f"| {parts['other'] / parts['wall']:.0%} |")

@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass
 
 SYSTEM = "You are a helpful assistant. Answer clearly and in detail."
+COLD_SYSTEM = "You are a patient assistant. Answer carefully and completely."  # shares no prefix with SYSTEM
 
 # Three topics of the same shape, so that repeats of the short workload share
 # no prompt prefix beyond the system message: no server can answer one from

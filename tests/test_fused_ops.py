@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tornchat.engine import fused, llama
+from tornchat.engine import fused, llama, quant
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -70,12 +70,51 @@ def test_bad_inputs_raise_instead_of_crashing():
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])
 def test_runner_gives_the_same_logits_with_either_ops(tiny_model, quantize):
-    native, reference = llama.LlamaRunner(tiny_model, quantize=quantize), llama.LlamaRunner(tiny_model, quantize=quantize)
-    assert native.ops is fused.NATIVE
-    reference.ops = fused.REFERENCE
+    native = llama.LlamaRunner(tiny_model, quantize=quantize)
+    reference = llama.LlamaRunner(tiny_model, quantize=quantize, ops=fused.REFERENCE)
+    assert native.ops is fused.NATIVE and native.decode_step is not None and reference.decode_step is None
     tokens = list(range(30, 70))
     caches = native.new_cache(), reference.new_cache()
     torch.testing.assert_close(native.forward(tokens, caches[0]), reference.forward(tokens, caches[1]), atol=1e-4, rtol=1e-4)
     for token in (3, 4, 5):
         torch.testing.assert_close(native.forward([token], caches[0], decode=True),
                                    reference.forward([token], caches[1], decode=True), atol=2e-2, rtol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_biased():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(2)
+    config = Qwen2Config(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=600, use_sliding_window=False)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+@pytest.mark.parametrize("quantize, inputs", [("none", torch.float32), ("int8", torch.bfloat16), ("int8", torch.float32),
+                                              ("int4", torch.bfloat16), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen2_biased"])
+def test_the_cpp_decode_step_is_the_python_loop(model_name, quantize, inputs, kv_dtype, request):
+    """DecodeStep runs _layers' loop in C++: the same caches and logits, step after step, biases included."""
+    model = request.getfixturevalue(model_name)
+    cpp = llama.LlamaRunner(model, quantize=quantize, inputs=inputs, kv_dtype=kv_dtype)
+    loop = llama.LlamaRunner(model, quantize=quantize, inputs=inputs, kv_dtype=kv_dtype)
+    loop.decode_step = None
+    if quantize == "bf16" and isinstance(cpp.decode_head, quant.Bf16Weight):
+        assert cpp.decode_step is None  # oneDNN's packed weights stay with the Python loop
+        return
+    assert cpp.decode_step is not None
+    caches = cpp.new_cache(), loop.new_cache()
+    for runner, cache in zip((cpp, loop), caches):
+        runner.forward(list(range(20, 45)), cache)
+    for token in (7, 8, 9, 10):
+        got, expected = (runner.forward([token], cache, decode=True) for runner, cache in zip((cpp, loop), caches))
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert caches[0].length == caches[1].length == 29
+    torch.testing.assert_close(caches[0].kv[:, :, :29], caches[1].kv[:, :, :29], atol=0, rtol=0)

@@ -177,6 +177,7 @@ def test_quantized_runner_decodes_with_packed_layers_and_prefills_in_fp32(tiny_m
             for layer in reference.layers
         ]
     reference.decode_head = quant.fake_quantize_int8(reference.lm_head)
+    reference.decode_step = None  # it was built over the layers replaced above
     prefill, steps = prefill_then_step((fp32, packed, reference), list(range(50, 80)))
     torch.testing.assert_close(prefill[1], prefill[2], atol=0, rtol=0)  # prefill reads the fp32 weights
     torch.testing.assert_close(prefill[1], prefill[0], atol=0, rtol=0)
@@ -203,6 +204,7 @@ def test_bf16_runner_decodes_with_bf16_weights_with_or_without_onednn(tiny_model
         for layer in reference.layers
     ]
     reference.decode_head = reference.lm_head.bfloat16().float()
+    reference.decode_step = None  # it was built over the layers replaced above
     prefill, steps = prefill_then_step((fp32, bf16, reference), list(range(50, 80)))
     torch.testing.assert_close(prefill[1], prefill[2], atol=0, rtol=0)  # prefill reads the fp32 weights
     one_token_prefill = [r.forward([11], r.new_cache()) for r in (reference, bf16)]

@@ -28,8 +28,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-impl", choices=config_module.CHOICES["model_impl"],
                    help="forward: lean for Llama/Qwen2/Mistral, transformers' modules otherwise (default auto)")
     p.add_argument("--quantize", choices=config_module.CHOICES["quantize"],
-                   help="weights decode steps read (lean forward): int4 or bf16 weight-only, or none; auto: int4 "
-                        "for Q4_1 checkpoints, else bf16 on CPUs with bf16 hardware, else none (default auto)")
+                   help="weights decode steps read (lean forward, CPU): int4, int8 or bf16 weight-only, or none; "
+                        "auto: the fastest whose quality holds, timed on this machine at first start (default auto)")
     p.add_argument("--kv-slots", type=int, help="conversations whose KV cache is kept (default 4)")
     p.add_argument("--kv-memory-mb", type=int, help="memory bound on all KV slots together (default 2048)")
     p.add_argument("--max-queue", type=int, help="requests allowed to wait; beyond that 503 (default 16)")

@@ -116,12 +116,18 @@ def time_matmuls(fmt: Format, base: LlamaRunner) -> float:
 
 
 def time_attention(base: LlamaRunner, dtype: torch.dtype, rows: int) -> float:
-    """Seconds per layer of attention for rows new queries over ATTENTION_POSITIONS cached ones."""
-    groups = base.heads // base.kv_heads
+    """Seconds per layer of attention for rows new queries over ATTENTION_POSITIONS cached ones, each layer
+    with a cache of its own as in a real step (so that, as there, they stream from memory)."""
+    groups, layers = base.heads // base.kv_heads, len(base.layers)
     q = torch.randn(1, base.kv_heads, groups * rows, base.head_dim).to(dtype)
-    kv = torch.randn(2, 1, base.kv_heads, ATTENTION_POSITIONS, base.head_dim).to(dtype)
+    kv = torch.randn(layers, 2, 1, base.kv_heads, ATTENTION_POSITIONS, base.head_dim).to(dtype)
     mask = torch.ones(groups * rows, ATTENTION_POSITIONS, dtype=torch.bool) if rows > 1 else None
-    return _seconds(lambda: F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask), repeats=5, calls=4)
+
+    def every_layer():
+        for layer in kv:
+            F.scaled_dot_product_attention(q, layer[0], layer[1], attn_mask=mask)
+
+    return _seconds(every_layer, repeats=3, calls=2) / layers
 
 
 def bf16_cache_pays(base: LlamaRunner) -> tuple[bool, dict[str, float]]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tornchat.engine import quant
+
 
 def _load():
     try:
@@ -64,6 +66,37 @@ class Ops:
 
 REFERENCE = Ops(rms_norm_ref, rope_store_ref, silu_mul_ref)
 NATIVE = Ops(_native.rms_norm, _native.rope_store, _native.silu_mul) if _native else None
+
+
+def native_decode_step(layers, heads: int, kv_heads: int, eps: float, scale: float):
+    """The C++ ``DecodeStep`` over these layers (``llama.Layer``): one call for a one-token decode step,
+    computing what ``LlamaRunner._hidden``'s loop does with the native ops. None where it cannot run
+    them: no extension, or weights in oneDNN's packed bf16 layout."""
+    if _native is None:
+        return None
+    tensors, ints = [], []
+    for layer in layers:
+        linears = [_linear(w) for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)]
+        if None in linears:
+            return None
+        tensors += [layer.attn_norm, layer.ffn_norm, _EMPTY if layer.bqkv is None else layer.bqkv]
+        tensors += [t for _, a, b, _ in linears for t in (a, b)]
+        ints += [kind for kind, *_ in linears] + [group for *_, group in linears]
+    return _native.DecodeStep(tensors, ints, heads, kv_heads, eps, scale)
+
+
+_EMPTY = torch.empty(0)
+
+
+def _linear(w: quant.Weight) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+    """(kind, a, b, group size) as csrc/fused.cpp's Linear takes them."""
+    if isinstance(w, torch.Tensor):
+        return 0, w, _EMPTY, 0
+    if isinstance(w, quant.Int4Weight):
+        return 1, w.packed, w.scales_and_zeros, w.group_size
+    if isinstance(w, quant.Int8Weight):
+        return 2, w.values, w.scales, 0
+    return None
 
 
 def ops_for(device: torch.device, dtype: torch.dtype) -> Ops:

@@ -97,6 +97,9 @@ class LlamaRunner:
     ``kv_dtype``: the KV cache's dtype (default: the model's); a bf16 cache
     reads half the bytes in attention over a long context. Prefill and
     decode share the cache.
+    ``ops``: the small per-layer operations (``fused.py``; default: C++ on
+    the CPU where built). With the C++ ones a one-token decode step runs all
+    layers in one C++ call (``decode_step``), else the loop in ``_hidden``.
     All are weight-only: norms and the residual stream stay in the model's
     dtype, and each projection's input is cast to what its kernel takes.
 
@@ -105,7 +108,7 @@ class LlamaRunner:
     """
 
     def __init__(self, model: torch.nn.Module, quantize: str = "none", inputs: torch.dtype = torch.bfloat16,
-                 kv_dtype: torch.dtype | None = None, group_size: int = 32):
+                 kv_dtype: torch.dtype | None = None, group_size: int = 32, ops: fused.Ops | None = None):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"the lean forward does not support this model: {reason}")
@@ -131,7 +134,7 @@ class LlamaRunner:
         angles = torch.outer(positions, rope.inv_freq.float().to(self.device))
         magnitude = torch.full_like(angles, float(rope.attention_scaling))
         self.rope = torch.view_as_real(torch.polar(magnitude, angles)).contiguous()  # [context, head_dim / 2, (cos, sin)]
-        self.ops = fused.ops_for(self.device, self.dtype)
+        self.ops = ops or fused.ops_for(self.device, self.dtype)
 
         self.quantize, self.inputs = quantize, inputs
         self.kv_dtype = kv_dtype or self.dtype
@@ -141,6 +144,9 @@ class LlamaRunner:
             if pack_layer:
                 self.decode_layers = [self._pack(layer, pack_layer) for layer in self.layers]
                 self.decode_head = pack_head(self.lm_head)
+        self.decode_step = None  # the C++ step over decode_layers where the native ops run; None: the Python loop
+        if self.ops is fused.NATIVE:
+            self.decode_step = fused.native_decode_step(self.decode_layers, self.heads, self.kv_heads, self.eps, self.scale)
 
     def _fuse(self, layer) -> Layer:
         attn, mlp = layer.self_attn, layer.mlp
@@ -215,9 +221,17 @@ class LlamaRunner:
     def _hidden(self, token_ids: list[int], cache: KVCache, decode: bool) -> torch.Tensor:
         """Run token_ids through the layers, appending to cache: the residual stream [n, hidden] after them."""
         n, start = len(token_ids), cache.length
-        end = start + n
-        self._reserve(cache, end)
-        layers = self.decode_layers if decode else self.layers
+        self._reserve(cache, start + n)
+        x = F.embedding(torch.tensor(token_ids, device=self.device), self.embed)
+        if decode and n == 1 and self.decode_step is not None:
+            x = self.decode_step.forward(x, cache.kv, self.rope[start : start + 1], start)  # _layers in one C++ call
+        else:
+            x = self._layers(x, self.decode_layers if decode else self.layers, cache, start)
+        cache.length = start + n
+        return x
+
+    def _layers(self, x: torch.Tensor, layers: list[Layer], cache: KVCache, start: int) -> torch.Tensor:
+        n, end = x.shape[0], start + x.shape[0]
         ops, eps = self.ops, self.eps
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         groups = heads // kv_heads
@@ -229,8 +243,6 @@ class LlamaRunner:
         if n > 1:
             positions = torch.arange(end, device=self.device)
             mask = (positions[None, :] <= positions[start:, None]).repeat(groups, 1)
-
-        x = F.embedding(torch.tensor(token_ids, device=self.device), self.embed)
         for i, layer in enumerate(layers):
             h = ops.rms_norm(x, layer.attn_norm, eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
             qkv = quant.linear(h, layer.wqkv)
@@ -248,5 +260,4 @@ class LlamaRunner:
             x = x + quant.linear(out, layer.wo)
             h = ops.rms_norm(x, layer.ffn_norm, eps, quant.input_dtype(layer.w13) == torch.bfloat16)
             x = x + quant.linear(ops.silu_mul(quant.linear(h, layer.w13)), layer.w2)
-        cache.length = end
         return x

@@ -135,10 +135,79 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// A projection as the decode step reads it: plain weights (F.linear), packed int4 or per-row int8.
+struct Linear {
+  enum Kind : int64_t { PLAIN = 0, INT4 = 1, INT8 = 2 };
+  int64_t kind;
+  at::Tensor a, b;  // plain: weight, -; int4: packed, scales_and_zeros; int8: values, scales
+  int64_t group_size;
+
+  at::ScalarType input() const { return kind == PLAIN ? a.scalar_type() : b.scalar_type(); }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    const auto in = x.to(input());
+    if (kind == INT4) return at::_weight_int4pack_mm_for_cpu(in, a, group_size, b);
+    if (kind == INT8) return at::_weight_int8pack_mm(in, a, b);
+    return at::linear(in, a);
+  }
+};
+
+struct Layer {
+  at::Tensor attn_norm, ffn_norm, bqkv;  // bqkv: empty where the model has no q/k/v biases
+  Linear wqkv, wo, w13, w2;
+};
+
+// One decode step (one token) through every layer, the Python loop of llama.LlamaRunner._hidden in one
+// call: that loop's ~25 Python-level operations per layer cost more than the layer's small kernels.
+class DecodeStep {
+ public:
+  // Per layer, tensors: attn_norm, ffn_norm, bqkv (or empty), then a and b of wqkv, wo, w13, w2 (b empty for
+  // plain weights); ints: the kind and the group size of wqkv, wo, w13, w2.
+  DecodeStep(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& ints, int64_t heads, int64_t kv_heads,
+             double eps, double scale)
+      : heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale) {
+    TORCH_CHECK(tensors.size() % 11 == 0 && ints.size() * 11 == tensors.size() * 8, "11 tensors and 8 ints per layer");
+    for (size_t i = 0; i < tensors.size() / 11; ++i) {
+      const at::Tensor* t = &tensors[11 * i];
+      const int64_t* n = &ints[8 * i];
+      layers_.push_back(Layer{t[0], t[1], t[2], Linear{n[0], t[3], t[4], n[4]}, Linear{n[1], t[5], t[6], n[5]},
+                              Linear{n[2], t[7], t[8], n[6]}, Linear{n[3], t[9], t[10], n[7]}});
+    }
+  }
+
+  // x [1, hidden] fp32, the token's embedding; kv [layers, 2, capacity, kv_heads, head_dim], freqs [1, head_dim / 2, 2]
+  // of position start. Writes the token's keys and values at start; returns x after the layers.
+  at::Tensor forward(at::Tensor x, const at::Tensor& kv, const at::Tensor& freqs, int64_t start) const {
+    const int64_t head_dim = kv.size(-1), groups = heads_ / kv_heads_;
+    TORCH_CHECK(kv.size(0) == static_cast<int64_t>(layers_.size()) && start < kv.size(2), "the cache does not fit this step");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      auto qkv = layer.wqkv(rms_norm(x, layer.attn_norm, eps_, layer.wqkv.input() == at::kBFloat16));
+      if (layer.bqkv.numel()) qkv = qkv + layer.bqkv;
+      const auto keys = kv.select(0, i).select(0, 0), values = kv.select(0, i).select(0, 1);
+      auto q = rope_store(qkv.contiguous(), freqs, keys.narrow(0, start, 1), values.narrow(0, start, 1), heads_, kv_heads_);
+      auto attended = at::scaled_dot_product_attention(
+          q.view({1, kv_heads_, groups, head_dim}), keys.narrow(0, 0, start + 1).unsqueeze(0).transpose(1, 2),
+          values.narrow(0, 0, start + 1).unsqueeze(0).transpose(1, 2), {}, 0.0, false, scale_);
+      x = x + layer.wo(attended.reshape({1, heads_ * head_dim}));
+      x = x + layer.w2(silu_mul(layer.w13(rms_norm(x, layer.ffn_norm, eps_, layer.w13.input() == at::kBFloat16))));
+    }
+    return x;
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  int64_t heads_, kv_heads_;
+  double eps_, scale_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_fused, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of fp32 rows, out in fp32 or bf16");
   m.def("rope_store", &rope_store, "RoPE on queries and keys; keys and values written into the cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  pybind11::class_<DecodeStep>(m, "DecodeStep")
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t, double, double>())
+      .def("forward", &DecodeStep::forward);
 }
