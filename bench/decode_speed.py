@@ -145,9 +145,7 @@ def main() -> None:
           f"ms: {choice.estimate_ms}; quality {choice.quality}")
     auto_loop = choice.format.runner(model)
     auto_loop.decode_step = None  # the C++ ops, called from the Python loop
-    fmt = choice.format
-    auto_reference_ops = llama.LlamaRunner(model, fmt.quantize, autotune.DTYPES[fmt.inputs], autotune.DTYPES[fmt.kv],
-                                           ops=fused.REFERENCE)
+    auto_reference_ops = choice.format.runner(model, ops=fused.REFERENCE)
     runners = {
         "hf fp32": HFRunner(model),
         "lean fp32": llama.LlamaRunner(model),

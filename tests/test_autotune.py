@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from tornchat.engine import autotune, cpu, llama
+from tornchat.engine import autotune, cpu, llama, quant
 from tornchat.engine.autotune import Format
 
 IDS = list(range(100, 160))
@@ -30,7 +30,7 @@ def fake_machine(monkeypatch, step_ms: dict, estimate_ms: dict | None = None, qu
         calls["steps"] += 1
         return step_ms[runner.quantize, "bf16" if runner.inputs == torch.bfloat16 else "fp32"] / 1000
 
-    def check_quality(runner, ids):
+    def check_quality(runner, ids, reference):
         calls["quality"] += 1
         inputs = "bf16" if runner.inputs == torch.bfloat16 else "fp32"
         return {"perplexity_rise": (quality or {}).get((runner.quantize, inputs), 0.0), "agreement": 1.0, "positions": 9.0}
@@ -39,6 +39,7 @@ def fake_machine(monkeypatch, step_ms: dict, estimate_ms: dict | None = None, qu
     monkeypatch.setattr(autotune, "time_steps", time_steps)
     monkeypatch.setattr(autotune, "check_quality", check_quality)
     monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (False, {}))
+    monkeypatch.setattr(autotune, "bf16_prefill_pays", lambda base: (False, {}))
     return calls
 
 
@@ -53,8 +54,8 @@ def test_fastest_format_whose_quality_holds(tiny_model, tmp_path, monkeypatch):
     assert not choice.cached and calls["quality"] == 2
     # Only candidates within 3x of the best estimate get whole steps timed: not fp32, nor the scalar fp32-input paths.
     assert calls["steps"] == 3 and len(choice.estimate_ms) == 6
-    assert choice.step_ms == {"bf16 (bf16 inputs, fp32 cache)": 12.0, "int8 (bf16 inputs, fp32 cache)": 9.0,
-                              "int4 (bf16 inputs, fp32 cache)": 10.0}
+    assert choice.step_ms == {"bf16 (bf16 inputs, fp32 cache, fp32 prefill)": 12.0, "int8 (bf16 inputs, fp32 cache, fp32 prefill)": 9.0,
+                              "int4 (bf16 inputs, fp32 cache, fp32 prefill)": 10.0}
 
 
 def test_whole_steps_overrule_the_one_layer_estimate(tiny_model, tmp_path, monkeypatch):
@@ -86,7 +87,7 @@ def test_an_explicit_mode_times_its_inputs_and_skips_the_quality_gate(tiny_model
     calls = fake_machine(monkeypatch, {**AVX2_LIKE, ("int8", "fp32"): 8.0}, quality={("int8", "fp32"): 0.5})
     runner, choice = autotune.choose(tiny_model, "int8", IDS, tmp_path / "d.json", "ckpt")
     assert choice.format == Format("int8", "fp32") and calls["quality"] == 0
-    assert set(choice.estimate_ms) == {"int8 (bf16 inputs, fp32 cache)", "int8 (fp32 inputs, fp32 cache)"}
+    assert set(choice.estimate_ms) == {"int8 (bf16 inputs, fp32 cache, fp32 prefill)", "int8 (fp32 inputs, fp32 cache, fp32 prefill)"}
 
 
 def test_int4_is_no_candidate_where_the_shapes_do_not_fit():
@@ -99,6 +100,24 @@ def test_the_bf16_cache_goes_with_the_packed_formats_where_it_pays(tiny_model, t
     monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (True, {}))
     runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
     assert choice.format == Format("int8", "bf16", "bf16") and runner.new_cache().kv.dtype == torch.bfloat16
+
+
+def test_bf16_prefill_weights_go_with_the_packed_formats_where_they_pay(tiny_model, tmp_path, monkeypatch):
+    fake_machine(monkeypatch, AVX2_LIKE)
+    monkeypatch.setattr(autotune, "bf16_prefill_pays", lambda base: (True, {}))
+    runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert choice.format == Format("int8", "bf16", "fp32", "bf16") and runner.prefill_bf16
+    assert quant.input_dtype(runner.layers[0].w13) == torch.bfloat16
+    assert isinstance(runner.decode_layers[0].w13, quant.Int8Weight)  # packed from the model's own fp32 weights
+
+
+def test_bf16_prefill_pays_by_timing(tiny_model, monkeypatch):
+    base = llama.LlamaRunner(tiny_model)
+    for fp32_ms, bf16_ms, pays in ((1.0, 0.25, True), (1.0, 0.9, False), (1.0, 1.1, False)):
+        times = iter([fp32_ms, bf16_ms] * 4)
+        monkeypatch.setattr(autotune, "_seconds", lambda fn, repeats, calls: next(times) / 1000)
+        decided, ms = autotune.bf16_prefill_pays(base)
+        assert decided == pays and ms["fp32"] == pytest.approx(4 * fp32_ms)
 
 
 @pytest.mark.parametrize("decode, prefill, pays", [((1, 2), (10, 10), True), ((2, 1), (10, 10), False),
@@ -121,8 +140,8 @@ def test_the_decision_is_cached_per_cpu_checkpoint_and_mode(tiny_model, tmp_path
     assert (runner.quantize, runner.inputs) == ("int8", torch.bfloat16)
     stored = json.loads(cache_file.read_text())
     assert len(stored) == 1 and "packed" not in cache_file.read_text()  # the decision, never weights
-    key = json.loads(next(iter(stored)))
-    assert cpu.model_name() in key and torch.__version__ in key
+    about = next(iter(stored.values()))["for"]
+    assert about["cpu"] == cpu.model_name() and about["torch"] == torch.__version__ and about["checkpoint"] == "ckpt"
     for change in (lambda: autotune.choose(tiny_model, "auto", IDS, cache_file, "another checkpoint"),
                    lambda: autotune.choose(tiny_model, "int4", IDS, cache_file, "ckpt")):
         before = calls["matmuls"]
@@ -134,24 +153,37 @@ def test_the_decision_is_cached_per_cpu_checkpoint_and_mode(tiny_model, tmp_path
     assert calls["matmuls"] > before and len(json.loads(cache_file.read_text())) == 4
 
 
+def test_the_cache_file_keeps_the_latest_decisions(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(autotune, "MAX_DECISIONS", 3)
+    fake_machine(monkeypatch, AVX2_LIKE)
+    for checkpoint in ("a", "b", "c", "d", "b"):
+        autotune.choose(tiny_model, "int8", IDS, tmp_path / "d.json", checkpoint)
+    kept = [entry["for"]["checkpoint"] for entry in json.loads((tmp_path / "d.json").read_text()).values()]
+    assert kept == ["b", "c", "d"]  # a cached decision is read, not written again
+
+
 def test_real_measurement_on_a_tiny_model(tiny_model, tmp_path, caplog):
     """No fakes: every candidate that runs on this CPU is timed, and the choice passes its own quality gate."""
     with caplog.at_level(logging.INFO, logger="tornchat.engine"):
         runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "tiny")
-    assert choice.format in [Format(f.quantize, f.inputs, choice.format.kv) for f in autotune.candidates("auto", True)]
+    fmt = choice.format
+    assert (fmt.quantize, fmt.inputs) in [(f.quantize, f.inputs) for f in autotune.candidates("auto", True)]
     assert choice.step_ms and all(ms > 0 for ms in choice.step_ms.values())
     assert choice.step_ms[choice.format.label()] == min(choice.step_ms.values()) or "rejected" in caplog.text
     if choice.format.quantize != "none":
-        assert autotune.passes(autotune.check_quality(runner, IDS))
+        assert autotune.passes(autotune.check_quality(runner, IDS, llama.LlamaRunner(tiny_model)))
     assert "chosen in" in caplog.text
 
 
-def test_check_quality_measures_the_decode_weights(tiny_model):
-    runner = llama.LlamaRunner(tiny_model, quantize="int8")
-    same = autotune.check_quality(llama.LlamaRunner(tiny_model), IDS)  # decode reads the model's own weights
+def test_check_quality_measures_the_decode_and_prefill_weights(tiny_model):
+    own = llama.LlamaRunner(tiny_model)
+    same = autotune.check_quality(own, IDS, own)  # decode and prefill read the model's own weights
     assert same["perplexity_rise"] == pytest.approx(0, abs=1e-6) and same["agreement"] == 1.0
-    broken = llama.LlamaRunner(tiny_model, quantize="int8")
-    broken.decode_head = -broken.lm_head  # the opposite preferences
-    quality = autotune.check_quality(broken, IDS)
-    assert quality["perplexity_rise"] > 0.02 and not autotune.passes(quality)
-    assert autotune.passes(autotune.check_quality(runner, IDS))
+    assert autotune.passes(autotune.check_quality(llama.LlamaRunner(tiny_model, quantize="int8"), IDS, own))
+    for broken in (llama.LlamaRunner(tiny_model, quantize="int8"), llama.LlamaRunner(tiny_model, prefill_bf16=True)):
+        if broken.prefill_bf16:
+            broken.lm_head = -broken.lm_head  # prefill's head: the opposite preferences
+        else:
+            broken.decode_head = -broken.lm_head
+        quality = autotune.check_quality(broken, IDS, own)
+        assert quality["perplexity_rise"] > 0.02 and not autotune.passes(quality)

@@ -12,6 +12,7 @@ fixed chat. The decision (never the packed weights, whose layout depends on
 the instruction set) is cached, keyed by CPU, checkpoint, torch version and
 thread count, so later starts skip the timing.
 """
+import hashlib
 import json
 import logging
 import math
@@ -31,7 +32,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MAX_PERPLEXITY_RISE = 0.02  # bf16 inputs alone moved it +0.9% on the embedded model (int4 layers, lossless there)
 MIN_AGREEMENT = 0.95  # of greedy choices, where the model's own weights are not near a tie
 NEAR_TIE = 0.5  # logits closer than this between the first and second choice are a tie
+MAX_DECISIONS = 32  # kept in the cache file, the most recent
 ATTENTION_POSITIONS = 1024  # context at which the cache's dtype is timed
+PREFILL_ROWS = 512  # the engine's prefill chunk (model.PREFILL_CHUNK)
+PREFILL_MARGIN = 1.2  # bf16 prefill weights must be this much faster to be worth their rounding
 FINALIST_MARGIN = 3.0  # candidates whose one-layer estimate is within this of the best get whole steps timed:
 # the estimate reads weights from the CPU cache and misranks close formats (int8 looked 2x faster than
 # int4 there, and was 1.3x slower in whole steps), but it does screen out 10-30x slower scalar paths
@@ -51,12 +55,14 @@ class Format:
     quantize: str  # none | bf16 | int8 | int4 (llama.QUANTIZE)
     inputs: str = "fp32"  # what the int4 and int8 kernels are fed: bf16 | fp32
     kv: str = "fp32"  # the KV cache's dtype: bf16 | fp32
+    prefill: str = "fp32"  # the weights prefill reads: bf16 copies | fp32, the model's own
 
     def label(self) -> str:
-        return f"{self.quantize} ({self.inputs} inputs, {self.kv} cache)"
+        return f"{self.quantize} ({self.inputs} inputs, {self.kv} cache, {self.prefill} prefill)"
 
-    def runner(self, model: torch.nn.Module) -> LlamaRunner:
-        return LlamaRunner(model, quantize=self.quantize, inputs=DTYPES[self.inputs], kv_dtype=DTYPES[self.kv])
+    def runner(self, model: torch.nn.Module, **options) -> LlamaRunner:
+        return LlamaRunner(model, quantize=self.quantize, inputs=DTYPES[self.inputs], kv_dtype=DTYPES[self.kv],
+                           prefill_bf16=self.prefill == "bf16", **options)
 
 
 @dataclass
@@ -138,27 +144,49 @@ def bf16_cache_pays(base: LlamaRunner) -> tuple[bool, dict[str, float]]:
     return ms["decode bf16"] < ms["decode fp32"] and ms["prefill bf16"] <= 1.05 * ms["prefill fp32"], ms
 
 
-def check_quality(runner: LlamaRunner, ids: list[int]) -> dict[str, float]:
-    """The decode weights against the model's own on ids: perplexity rise, and agreement of greedy choices
-    at the positions where the model's own logits are not near a tie (random-weight models have few)."""
-    own, decode = runner.score(ids, decode=False), runner.score(ids, decode=True)
+def bf16_prefill_pays(base: LlamaRunner) -> tuple[bool, dict[str, float]]:
+    """bf16 weights for a prefill chunk's matmuls: 4.3-4.7x faster than fp32 with AVX-512 BF16, no faster
+    without bf16 hardware. One layer's matrices on PREFILL_ROWS rows, the faster by PREFILL_MARGIN wins."""
+    ms = {"fp32": 0.0, "bf16": 0.0}
+    for matrix in base.layers[0][1:]:
+        if not (isinstance(matrix, torch.Tensor) and matrix.dim() == 2):
+            continue
+        x = torch.randn(PREFILL_ROWS, matrix.shape[1])
+        for name, weight in (("fp32", matrix), ("bf16", quant.to_bf16(matrix))):
+            rows = x.to(quant.input_dtype(weight))
+            ms[name] += 1000 * _seconds(lambda: quant.linear(rows, weight), repeats=3, calls=2)
+    return ms["bf16"] * PREFILL_MARGIN < ms["fp32"], ms
+
+
+def check_quality(runner: LlamaRunner, ids: list[int], reference: LlamaRunner) -> dict[str, float]:
+    """runner's prefill and decode weights against the model's own (reference's prefill) on ids: the worse
+    perplexity rise of the two, and the worse agreement of greedy choices at the positions where the model's
+    own logits are not near a tie (random-weight models have few)."""
+    own = reference.score(ids, decode=False)
     targets = torch.tensor(ids[1:])
-    rise = math.exp(float(F.cross_entropy(decode[:-1], targets) - F.cross_entropy(own[:-1], targets))) - 1
     top2 = own.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) >= NEAR_TIE
-    same = decode.argmax(-1) == own.argmax(-1)
-    agreement = float(same[decided].float().mean()) if decided.any() else 1.0
-    return {"perplexity_rise": rise, "agreement": agreement, "positions": float(decided.sum())}
+    rises, agreements = [], []
+    for decode in (False, True):
+        logits = runner.score(ids, decode=decode)
+        rises.append(math.exp(float(F.cross_entropy(logits[:-1], targets) - F.cross_entropy(own[:-1], targets))) - 1)
+        same = logits.argmax(-1) == own.argmax(-1)
+        agreements.append(float(same[decided].float().mean()) if decided.any() else 1.0)
+    return {"perplexity_rise": max(rises), "agreement": min(agreements), "positions": float(decided.sum())}
 
 
 def passes(quality: dict[str, float]) -> bool:
     return quality["perplexity_rise"] <= MAX_PERPLEXITY_RISE and quality["agreement"] >= MIN_AGREEMENT
 
 
-def cache_key(requested: str, checkpoint: str) -> str:
+def depends_on(requested: str, checkpoint: str) -> dict:
     """What the decision depends on: CPU, checkpoint, torch, threads and the requested mode."""
-    return json.dumps([cpu.model_name(), sorted(cpu.flags()), torch.__version__, torch.get_num_threads(),
-                       checkpoint, requested])
+    return {"cpu": cpu.model_name(), "flags": sorted(cpu.flags()), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "checkpoint": checkpoint, "requested": requested}
+
+
+def cache_key(requested: str, checkpoint: str) -> str:
+    return hashlib.sha256(json.dumps(depends_on(requested, checkpoint)).encode()).hexdigest()[:24]
 
 
 def _read(path) -> dict:
@@ -186,9 +214,11 @@ def choose(model: torch.nn.Module, requested: str, quality_ids: list[int], cache
 
     Two rounds of timing: each candidate's matmuls for one layer (cheap, but
     the weights sit in the CPU's cache), then whole decode steps of the
-    candidates within FINALIST_MARGIN of the best, packed for real. An
-    explicit mode still has its kernels' input dtype and the cache's dtype
-    timed, and no quality check (the user asked for it).
+    candidates within FINALIST_MARGIN of the best, packed for real. The
+    cache's dtype and bf16 prefill weights are timed on their own and go with
+    every packed format. An explicit mode still has its kernels' input dtype,
+    the cache's dtype and the prefill weights timed, and no quality check
+    (the user asked for it).
     """
     key = cache_key(requested, checkpoint)
     known = _read(cache_file).get(key)
@@ -201,10 +231,11 @@ def choose(model: torch.nn.Module, requested: str, quality_ids: list[int], cache
     base = LlamaRunner(model)  # the model's own weights: the shapes to time and the quality reference
     int4_fits = all(quant.supports(m, 32) for m in base.layers[0][1:] if isinstance(m, torch.Tensor) and m.dim() == 2)
     bf16_cache, attention_ms = bf16_cache_pays(base)
+    bf16_prefill, prefill_ms = bf16_prefill_pays(base)
     estimates = {}
     for fmt in candidates(requested, int4_fits):
-        if fmt.quantize != "none" and bf16_cache:
-            fmt = Format(fmt.quantize, fmt.inputs, kv="bf16")
+        if fmt.quantize != "none":  # none stays the model's own weights throughout: the reference
+            fmt = Format(fmt.quantize, fmt.inputs, "bf16" if bf16_cache else "fp32", "bf16" if bf16_prefill else "fp32")
         try:
             estimates[fmt] = time_matmuls(fmt, base)
         except RuntimeError as exc:  # a kernel this CPU's build lacks
@@ -218,25 +249,29 @@ def choose(model: torch.nn.Module, requested: str, quality_ids: list[int], cache
     step_ms = {fmt.label(): round(1000 * s, 3) for fmt, s in steps.items()}
     estimate_ms = {fmt.label(): round(1000 * s, 3) for fmt, s in estimates.items()}
     log.info("decode step, ms: %s; estimates from one layer's matmuls, ms: %s; attention at %d positions, ms per "
-             "layer: %s", step_ms, estimate_ms, ATTENTION_POSITIONS, {k: round(v, 3) for k, v in attention_ms.items()})
+             "layer: %s; one layer's prefill matmuls on %d rows, ms: %s", step_ms, estimate_ms, ATTENTION_POSITIONS,
+             {k: round(v, 3) for k, v in attention_ms.items()}, PREFILL_ROWS, {k: round(v, 3) for k, v in prefill_ms.items()})
     ranked = sorted(steps, key=steps.get) + sorted(set(estimates) - set(steps), key=estimates.get)
     for fmt in ranked:
         runner = runners.get(fmt) or (base if fmt == Format("none") else fmt.runner(model))
-        quality = check_quality(runner, quality_ids) if requested == "auto" and fmt.quantize != "none" else {}
+        quality = check_quality(runner, quality_ids, base) if requested == "auto" and fmt.quantize != "none" else {}
         if quality and not passes(quality):
             log.info("decode weights %s rejected: %s", fmt.label(), quality)
             continue
         choice = Choice(fmt, step_ms, estimate_ms, quality)
         log.info("decode weights %s chosen in %.1f s (quality %s)", fmt.label(), time.perf_counter() - started, quality)
-        _remember(cache_file, key, choice)
+        _remember(cache_file, key, choice, depends_on(requested, checkpoint))
         return runner, choice
     raise AssertionError("unreachable: auto ranks the model's own weights, which always pass")
 
 
-def _remember(cache_file, key: str, choice: Choice) -> None:
+def _remember(cache_file, key: str, choice: Choice, about: dict) -> None:
     decisions = _read(cache_file)
+    decisions.pop(key, None)
     decisions[key] = {"format": asdict(choice.format), "step_ms": choice.step_ms, "estimate_ms": choice.estimate_ms,
-                      "quality": choice.quality}
+                      "quality": choice.quality, "for": about}
+    for stale in list(decisions)[:-MAX_DECISIONS]:  # oldest first: test runs leave a checkpoint each
+        del decisions[stale]
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     partial = cache_file.with_name(cache_file.name + ".partial")
     partial.write_text(json.dumps(decisions, indent=1))

@@ -58,15 +58,6 @@ def fake_quantize_int4(weight: torch.Tensor, group_size: int = 32) -> torch.Tens
     return (q * scales + low).reshape(weight.shape).to(weight.dtype)
 
 
-def on_int4_grid(weight: torch.Tensor, group_size: int = 32) -> bool:
-    """Whether weight already holds 16 evenly spaced levels per group, as a Q4_1 GGUF's layers do,
-    so that int4 stores it without loss."""
-    if not supports(weight, group_size):
-        return False
-    error = (fake_quantize_int4(weight, group_size) - weight).abs().max()
-    return bool(error <= 1e-5 * weight.abs().max())
-
-
 def quantize_int4(weight: torch.Tensor, group_size: int = 32, inputs: torch.dtype = torch.bfloat16) -> Int4Weight:
     """Pack [N, K] weights for the CPU kernel, to be fed inputs of dtype ``inputs``."""
     n, k = weight.shape
