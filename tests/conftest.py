@@ -80,3 +80,21 @@ def tiny_checkpoint(tiny_model, tokenizer, tmp_path_factory) -> str:
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2():
+    """Qwen2 differs from Llama by q/k/v biases, which the fused QKV must carry in RoPE order."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=600, use_sliding_window=False,
+    )
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
