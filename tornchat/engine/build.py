@@ -5,7 +5,7 @@ import torch
 
 from tornchat import checkpoint, prompt
 from tornchat.config import Config
-from tornchat.engine import autotune, cpu, llama
+from tornchat.engine import autotune, cpu, fused, llama
 from tornchat.engine.model import HFRunner, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.worker import Engine
@@ -78,8 +78,11 @@ def _build_on_worker(config: Config) -> Engine:
     slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024, prompt_bytes(loaded.tokenizer))
     stops = prompt.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
     log.info(
-        "engine ready on %s (%s), %s forward, decode weights %s, %d threads, %d KV slots",
+        "engine ready on %s (%s), %s forward, decode weights %s, %s, %d threads, %d KV slots",
         device, cpu.describe() if device == "cpu" else torch.cuda.get_device_name(), type(runner).__name__,
-        getattr(runner, "quantize", "as loaded"), torch.get_num_threads(), config.kv_slots,
+        getattr(runner, "quantize", "as loaded"),
+        "C++ decode step" if getattr(runner, "decode_step", None) else "per-op decode steps"
+        + ("" if fused.NATIVE else " (the C++ extension is not built: pip install --no-build-isolation -e .)"),
+        torch.get_num_threads(), config.kv_slots,
     )
     return Engine(runner, loaded.tokenizer, stops, slots, max_queue=config.max_queue, on_this_thread=True)

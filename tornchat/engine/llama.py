@@ -103,7 +103,7 @@ class LlamaRunner:
     so a prompt's logits still do not depend on how much of it was cached.
     ``ops``: the small per-layer operations (``fused.py``; default: C++ on
     the CPU where built). With the C++ ones a one-token decode step runs all
-    layers in one C++ call (``decode_step``), else the loop in ``_hidden``.
+    layers in one C++ call (``decode_step``), else the loop in ``_layers``.
     All are weight-only: norms and the residual stream stay in the model's
     dtype, and each projection's input is cast to what its kernel takes.
 
