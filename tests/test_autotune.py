@@ -120,6 +120,15 @@ def test_bf16_prefill_pays_by_timing(tiny_model, monkeypatch):
         assert decided == pays and ms["fp32"] == pytest.approx(4 * fp32_ms)
 
 
+def test_no_bf16_prefill_where_bf16_matmuls_do_not_run(tiny_model, monkeypatch):
+    def refuse(weight):
+        raise RuntimeError("bf16 matmul not built for this CPU")
+
+    monkeypatch.setattr(quant, "to_bf16", refuse)
+    decided, _ = autotune.bf16_prefill_pays(llama.LlamaRunner(tiny_model))
+    assert decided is False
+
+
 @pytest.mark.parametrize("decode, prefill, pays", [((1, 2), (10, 10), True), ((2, 1), (10, 10), False),
                                                    ((1, 2), (20, 10), False)])
 def test_a_bf16_cache_must_win_decode_and_lose_nothing_on_prefill(tiny_model, monkeypatch, decode, prefill, pays):

@@ -26,9 +26,12 @@ def test_a_machine_without_proc_cpuinfo_still_gets_a_name(monkeypatch):
 
 
 def test_this_machine(capsys):
+    line = cpu.describe()
     with capsys.disabled():
-        print(f"\n  running on: {cpu.describe()}")
-    assert cpu.model_name() == cpu._cpuinfo().get("model name", cpu.model_name())
+        print(f"\n  running on: {line}")
+    present = [flag for flag in cpu.NOTABLE_FLAGS if flag in cpu.flags()]
+    assert line.startswith(cpu.model_name()) and all(f" {flag}" in line for flag in present)
+    assert f"ATen capability {torch.backends.cpu.get_cpu_capability()}" in line
 
 
 def test_packs_bf16_is_what_onednn_really_does():
