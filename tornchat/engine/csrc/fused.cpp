@@ -209,5 +209,6 @@ PYBIND11_MODULE(_fused, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   pybind11::class_<DecodeStep>(m, "DecodeStep")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t, double, double>())
-      .def("forward", &DecodeStep::forward);
+      // Without the GIL: the server's IOLoop thread keeps answering and streaming during a step.
+      .def("forward", &DecodeStep::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
