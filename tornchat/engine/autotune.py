@@ -110,9 +110,8 @@ def time_matmuls(fmt: Format, base: LlamaRunner) -> float:
     layer count, plus the output projection. Raises RuntimeError where a kernel does not run on this CPU."""
     pack_layer, pack_head = packers(fmt.quantize, DTYPES[fmt.inputs])
     pack_layer, pack_head = pack_layer or (lambda w: w), pack_head or (lambda w: w)
-    layer = base.layers[0]
     total = 0.0
-    for matrix in (layer.wqkv, layer.wo, layer.w13, layer.w2):
+    for matrix in base.layers[0].matrices():
         weight = pack_layer(matrix)
         x = torch.randn(1, matrix.shape[1]).to(quant.input_dtype(weight))
         total += _seconds(lambda: quant.linear(x, weight))
@@ -148,9 +147,7 @@ def bf16_prefill_pays(base: LlamaRunner) -> tuple[bool, dict[str, float]]:
     """bf16 weights for a prefill chunk's matmuls: 4.3-4.7x faster than fp32 with AVX-512 BF16, no faster
     without bf16 hardware. One layer's matrices on PREFILL_ROWS rows, the faster by PREFILL_MARGIN wins."""
     ms = {"fp32": 0.0, "bf16": 0.0}
-    for matrix in base.layers[0][1:]:
-        if not (isinstance(matrix, torch.Tensor) and matrix.dim() == 2):
-            continue
+    for matrix in base.layers[0].matrices():
         x = torch.randn(PREFILL_ROWS, matrix.shape[1])
         try:
             for name, weight in (("fp32", matrix), ("bf16", quant.to_bf16(matrix))):
@@ -233,7 +230,7 @@ def choose(model: torch.nn.Module, requested: str, quality_ids: list[int], cache
 
     started = time.perf_counter()
     base = LlamaRunner(model)  # the model's own weights: the shapes to time and the quality reference
-    int4_fits = all(quant.supports(m, 32) for m in base.layers[0][1:] if isinstance(m, torch.Tensor) and m.dim() == 2)
+    int4_fits = all(quant.supports(m, 32) for m in base.layers[0].matrices())
     bf16_cache, attention_ms = bf16_cache_pays(base)
     bf16_prefill, prefill_ms = bf16_prefill_pays(base)
     estimates = {}
@@ -246,9 +243,11 @@ def choose(model: torch.nn.Module, requested: str, quality_ids: list[int], cache
             log.info("decode weights %s do not run here: %s", fmt.label(), str(exc).splitlines()[0])
     if not estimates:
         raise NoFormat(f"--quantize {requested}: none of its kernels runs on this CPU ({cpu.model_name()})")
+    def build(fmt: Format) -> LlamaRunner:
+        return base if fmt == Format("none") else fmt.runner(model)
+
     best = min(estimates.values())
-    runners = {fmt: base if fmt == Format("none") else fmt.runner(model)
-               for fmt, s in estimates.items() if s <= FINALIST_MARGIN * best}
+    runners = {fmt: build(fmt) for fmt, s in estimates.items() if s <= FINALIST_MARGIN * best}
     steps = {fmt: time_steps(runner, quality_ids) for fmt, runner in runners.items()}
     step_ms = {fmt.label(): round(1000 * s, 3) for fmt, s in steps.items()}
     estimate_ms = {fmt.label(): round(1000 * s, 3) for fmt, s in estimates.items()}
@@ -257,7 +256,7 @@ def choose(model: torch.nn.Module, requested: str, quality_ids: list[int], cache
              {k: round(v, 3) for k, v in attention_ms.items()}, PREFILL_ROWS, {k: round(v, 3) for k, v in prefill_ms.items()})
     ranked = sorted(steps, key=steps.get) + sorted(set(estimates) - set(steps), key=estimates.get)
     for fmt in ranked:
-        runner = runners.get(fmt) or (base if fmt == Format("none") else fmt.runner(model))
+        runner = runners.get(fmt) or build(fmt)
         quality = check_quality(runner, quality_ids, base) if requested == "auto" and fmt.quantize != "none" else {}
         if quality and not passes(quality):
             log.info("decode weights %s rejected: %s", fmt.label(), quality)

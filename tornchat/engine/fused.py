@@ -70,13 +70,13 @@ NATIVE = Ops(_native.rms_norm, _native.rope_store, _native.silu_mul) if _native 
 
 def native_decode_step(layers, heads: int, kv_heads: int, eps: float, scale: float):
     """The C++ ``DecodeStep`` over these layers (``llama.Layer``): one call for a one-token decode step,
-    computing what ``LlamaRunner._hidden``'s loop does with the native ops. None where it cannot run
+    computing what ``LlamaRunner._layers`` does with the native ops. None where it cannot run
     them: no extension, or weights in oneDNN's packed bf16 layout."""
     if _native is None:
         return None
     tensors, ints = [], []
     for layer in layers:
-        linears = [_linear(w) for w in (layer.wqkv, layer.wo, layer.w13, layer.w2)]
+        linears = [_linear(w) for w in layer.matrices()]
         if None in linears:
             return None
         tensors += [layer.attn_norm, layer.ffn_norm, _EMPTY if layer.bqkv is None else layer.bqkv]

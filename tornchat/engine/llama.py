@@ -30,6 +30,9 @@ class Layer(NamedTuple):
     w13: quant.Weight  # gate and up, stacked
     w2: quant.Weight
 
+    def matrices(self) -> tuple[quant.Weight, ...]:
+        return self.wqkv, self.wo, self.w13, self.w2
+
 
 @dataclass(eq=False)  # identity: comparing caches would compare tensors
 class KVCache:

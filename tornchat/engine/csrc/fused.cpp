@@ -19,11 +19,6 @@ using c10::BFloat16;
 inline float to_float(float v) { return v; }
 inline float to_float(BFloat16 v) { return static_cast<float>(v); }
 
-template <typename T>
-const T* data_of(const at::Tensor& t) {
-  return t.data_ptr<T>();
-}
-
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
 }
@@ -49,9 +44,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   TORCH_CHECK(weight.numel() == hidden, "weight must have x's last size");
   auto out = at::empty(x.sizes(), x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (bf16_out)
-    rms_norm_rows(data_of<float>(x), data_of<float>(weight), out.data_ptr<BFloat16>(), rows, hidden, float(eps));
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<BFloat16>(), rows, hidden, float(eps));
   else
-    rms_norm_rows(data_of<float>(x), data_of<float>(weight), out.data_ptr<float>(), rows, hidden, float(eps));
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, hidden, float(eps));
   return out;
 }
 
@@ -97,9 +92,9 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor
   const bool in_bf16 = qkv.scalar_type() == at::kBFloat16, kv_bf16 = keys.scalar_type() == at::kBFloat16;
   TORCH_CHECK(in_bf16 || qkv.scalar_type() == at::kFloat, "qkv must be fp32 or bf16");
   TORCH_CHECK(kv_bf16 || keys.scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
-  const float* f = data_of<float>(freqs);
+  const float* f = freqs.data_ptr<float>();
 #define ROPE(IN, KV) \
-  rope_store_rows(data_of<IN>(qkv), f, queries.data_ptr<KV>(), keys.data_ptr<KV>(), values.data_ptr<KV>(), rows, heads, kv_heads, head_dim)
+  rope_store_rows(qkv.data_ptr<IN>(), f, queries.data_ptr<KV>(), keys.data_ptr<KV>(), values.data_ptr<KV>(), rows, heads, kv_heads, head_dim)
   if (in_bf16 && kv_bf16) ROPE(BFloat16, BFloat16);
   else if (in_bf16) ROPE(BFloat16, float);
   else if (kv_bf16) ROPE(float, BFloat16);
@@ -127,9 +122,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * width);
   auto out = at::empty({rows, width}, gate_up.options());
   if (gate_up.scalar_type() == at::kBFloat16)
-    silu_mul_rows(data_of<BFloat16>(gate_up), out.data_ptr<BFloat16>(), rows, width);
+    silu_mul_rows(gate_up.data_ptr<BFloat16>(), out.data_ptr<BFloat16>(), rows, width);
   else if (gate_up.scalar_type() == at::kFloat)
-    silu_mul_rows(data_of<float>(gate_up), out.data_ptr<float>(), rows, width);
+    silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, width);
   else
     TORCH_CHECK(false, "silu_mul takes fp32 or bf16");
   return out;
@@ -157,7 +152,7 @@ struct Layer {
   Linear wqkv, wo, w13, w2;
 };
 
-// One decode step (one token) through every layer, the Python loop of llama.LlamaRunner._hidden in one
+// One decode step (one token) through every layer, the Python loop of llama.LlamaRunner._layers in one
 // call: that loop's ~25 Python-level operations per layer cost more than the layer's small kernels.
 class DecodeStep {
  public:
