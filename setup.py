@@ -5,24 +5,27 @@ local CPU wheel instead of fetching a multi-GB CUDA build. A GPU user installs
 the CUDA build of the same release first (see README); the pin is then
 already satisfied.
 
-The lean forward's fused CPU ops (tornchat/engine/csrc) build against that
-torch, so install with ``--no-build-isolation`` (the README's commands do):
-an isolated build would fetch another torch. The build is optional: without
-a compiler, or without torch at build time, tornchat installs all the same
-and runs the PyTorch references of those ops (tornchat/engine/fused.py).
+The lean forward's fused CPU ops (tornchat/engine/csrc) and the GGUF block
+converters (tornchat/weights/csrc) build against that torch, so install with
+``--no-build-isolation`` (the README's commands do): an isolated build would
+fetch another torch. The build is optional: without a compiler, or without
+torch at build time, tornchat installs all the same and runs the PyTorch
+references (tornchat/engine/fused.py, tornchat/weights/ggml.py).
 """
 from setuptools import setup
 
 
-def fused_ops() -> dict:
+def extensions() -> dict:
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
         return {}
     # No -march=native: the wheel must run on any CPU of its architecture.
-    extension = CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp"],
-                             extra_compile_args=["-O3"], optional=True)
-    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}
+    modules = [
+        CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp"], extra_compile_args=["-O3"], optional=True),
+        CppExtension("tornchat.weights._ggml", ["tornchat/weights/csrc/ggml.cpp"], extra_compile_args=["-O3"], optional=True),
+    ]
+    return {"ext_modules": modules, "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}
 
 
 setup(
@@ -30,7 +33,7 @@ setup(
     version="0.1.0",
     description="Low-latency OpenAI-compatible chat-completion server with its own decode loop",
     python_requires=">=3.10",
-    packages=["tornchat", "tornchat.engine", "tornchat.server", "tornchat.kernels"],
+    packages=["tornchat", "tornchat.engine", "tornchat.server", "tornchat.weights", "tornchat.kernels"],
     package_dir={"tornchat.kernels": "kernels"},
     install_requires=[
         "torch==2.13.0",
@@ -51,5 +54,5 @@ setup(
         "llamacpp": ["llama-cpp-python[server]==0.3.36"],
     },
     entry_points={"console_scripts": ["tornchat=tornchat.cli:main"]},
-    **fused_ops(),
+    **extensions(),
 )

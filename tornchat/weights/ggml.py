@@ -1,0 +1,180 @@
+"""What each GGML block type holds, decoded with torch: the values, or for the
+4-bit types the levels, scales and minimums that PyTorch's int4 kernel takes.
+
+Layouts as llama.cpp's ggml-common.h defines them (read there, written
+here). A quantized tensor of N rows and K columns is N * K / block_size
+blocks, row after row; ``raw`` is its bytes as a uint8 tensor [N, row_bytes].
+
+Q4_0, Q4_1 and Q4_K store 4-bit levels with, per group of 32 values, one
+scale and one offset: value = level * scale + low. That is exactly the
+asymmetric group-32 int4 of ``quant.Int4Weight``, so ``int4_levels`` hands
+those over without rounding anything. The other types are decoded to fp32
+(``dequantize``) and packed from there.
+
+These functions are the references. ``csrc/ggml.cpp`` does the same in
+one pass over the bytes (the loader's ``int4_packed``, ``int8_rows`` and
+``values`` use it where it is built: 1B-class files load in seconds instead
+of a minute); the tests hold it to these, bit for bit.
+"""
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from tornchat.engine import quant
+
+
+def _load():
+    try:
+        return importlib.import_module("tornchat.weights._ggml")
+    except ImportError:
+        return None
+
+
+_native = _load()  # the compiled module, or None
+
+GROUP = 32  # the int4 kernel's group size that the 4-bit types map onto
+
+
+@dataclass(frozen=True)
+class BlockType:
+    name: str
+    values: int  # per block
+    bytes: int  # per block
+
+
+TYPES = {t.name: t for t in [
+    BlockType("F32", 1, 4), BlockType("F16", 1, 2), BlockType("BF16", 1, 2),
+    BlockType("Q4_0", 32, 18), BlockType("Q4_1", 32, 20), BlockType("Q5_0", 32, 22), BlockType("Q5_1", 32, 24),
+    BlockType("Q8_0", 32, 34), BlockType("Q4_K", 256, 144), BlockType("Q5_K", 256, 176), BlockType("Q6_K", 256, 210),
+]}
+INT4 = ("Q4_0", "Q4_1", "Q4_K")  # exactly group-32 int4
+FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _f16(raw: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 number at byte offset ``at`` of every block, as fp32 [..., 1]."""
+    return raw[..., at : at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] bytes -> [..., 32] levels: low nibbles are values 0-15, high nibbles 16-31."""
+    return torch.cat([qs & 0xF, qs >> 4], dim=-1)
+
+
+def _high_bits(qh: torch.Tensor, count: int) -> torch.Tensor:
+    """Bits 0..count-1 of little-endian bytes [..., count / 8] -> [..., count] of 0 or 1."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
+    return ((qh[..., :, None] >> shifts) & 1).reshape(*qh.shape[:-1], count)
+
+
+def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit mins per 256-value block."""
+    low, high = scales[..., 0:4], scales[..., 4:8]
+    extra = scales[..., 8:12]
+    sc = torch.cat([low & 63, (extra & 0xF) | ((low >> 6) << 4)], dim=-1)
+    mins = torch.cat([high & 63, (extra >> 4) | ((high >> 6) << 4)], dim=-1)
+    return sc.float(), mins.float()
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K: 128 bytes -> 256 levels; each 32 bytes hold two sub-blocks (low nibbles, then high)."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 32)
+    return torch.stack([chunks & 0xF, chunks >> 4], dim=-2).reshape(*qs.shape[:-1], 256)
+
+
+def _blocks(raw: torch.Tensor, block: BlockType) -> torch.Tensor:
+    return raw.reshape(raw.shape[0], -1, block.bytes)
+
+
+def int4_levels(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0, Q4_1, Q4_K -> (levels uint8 [N, K] in 0..15, scales [N, K / 32], lows [N, K / 32]), fp32,
+    with value = level * scale + low exactly as llama.cpp computes it."""
+    blocks = _blocks(raw, TYPES[type_name])
+    n = raw.shape[0]
+    if type_name == "Q4_K":
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, mins = _k_scales(blocks[..., 4:16])
+        levels = _k_nibbles(blocks[..., 16:144])
+        return levels.reshape(n, -1), (d * sc).reshape(n, -1), (-dmin * mins).reshape(n, -1)
+    d = _f16(blocks, 0)[..., 0]
+    if type_name == "Q4_0":
+        return _nibbles(blocks[..., 2:18]).reshape(n, -1), d, -8 * d
+    if type_name == "Q4_1":
+        return _nibbles(blocks[..., 4:20]).reshape(n, -1), d, _f16(blocks, 2)[..., 0]
+    raise ValueError(f"{type_name} is not a 4-bit group-32 type")
+
+
+def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """Any supported type's bytes [N, row_bytes] -> fp32 values [N, K]."""
+    if type_name in FLOATS:
+        return raw.contiguous().view(FLOATS[type_name]).float()
+    if type_name in INT4:
+        levels, scales, lows = int4_levels(raw, type_name)
+        n = levels.shape[0]
+        grouped = levels.reshape(n, -1, GROUP).float() * scales[..., None] + lows[..., None]
+        return grouped.reshape(n, -1)
+    block = TYPES[type_name]
+    blocks = _blocks(raw, block)
+    n = raw.shape[0]
+    if type_name == "Q8_0":
+        return (blocks[..., 2:].contiguous().view(torch.int8).float() * _f16(blocks, 0)).reshape(n, -1)
+    if type_name in ("Q5_0", "Q5_1"):
+        at = 2 if type_name == "Q5_0" else 4
+        q = _nibbles(blocks[..., at + 4 : at + 20]) | (_high_bits(blocks[..., at : at + 4], 32) << 4)
+        if type_name == "Q5_0":
+            return ((q.float() - 16) * _f16(blocks, 0)).reshape(n, -1)
+        return (q.float() * _f16(blocks, 0) + _f16(blocks, 2)).reshape(n, -1)
+    if type_name == "Q5_K":
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        sc, mins = _k_scales(blocks[..., 4:16])
+        # qh bit j of byte l is the fifth bit of value 32 * j + l.
+        high = _high_bits(blocks[..., 16:48], 256).reshape(*blocks.shape[:-1], 32, 8).transpose(-1, -2)
+        q = _k_nibbles(blocks[..., 48:176]) | (high.reshape(*blocks.shape[:-1], 256) << 4)
+        values = q.float().reshape(*blocks.shape[:-1], 8, 32) * (d * sc)[..., None] - (dmin * mins)[..., None]
+        return values.reshape(n, -1)
+    if type_name == "Q6_K":
+        ql = blocks[..., 0:128].reshape(*blocks.shape[:-1], 2, 2, 32)  # [half, first/second 32 bytes, l]
+        qh = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)
+        scales = blocks[..., 192:208].contiguous().view(torch.int8).float()  # one per 16 values
+        d = _f16(blocks, 208)
+        low = torch.stack([ql & 0xF, ql >> 4], dim=-3)  # [half, nibble, 32-byte part, l]
+        shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8, device=raw.device)[..., None]  # [nibble, part, 1]
+        high = (qh[..., None, :, :] >> shifts) & 3
+        q = (low | (high << 4)).float() - 32  # [half, nibble, part, l]: value 128 * half + 64 * nibble + 32 * part + l
+        values = q.reshape(*blocks.shape[:-1], 16, 16) * scales[..., None] * d[..., None]
+        return values.reshape(n, -1)
+    raise ValueError(f"unsupported GGML type {type_name}")
+
+
+def values(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """``dequantize``, in C++ where built."""
+    if _native is None or type_name in FLOATS:
+        return dequantize(raw, type_name)
+    return _native.dequantize(raw.contiguous(), type_name, cols(raw, type_name))
+
+
+def int4_packed(parts: list[tuple[torch.Tensor, str]], layout: quant.Int4Layout, inputs: torch.dtype) -> quant.Int4Weight:
+    """Matrices of 4-bit types (raw rows, type), stacked by rows, as int4 in the kernel's layout; each part a
+    whole number of the layout's blocks of rows."""
+    k = cols(*parts[0])
+    if _native is not None:
+        packed, scales_and_zeros = _native.int4_blocks([raw.contiguous() for raw, _ in parts], [t for _, t in parts],
+                                                       k, layout.rows, layout.halves)
+        return quant.Int4Weight(packed, scales_and_zeros.to(inputs), GROUP)
+    return quant.stack_rows([quant.int4_weight(layout.pack(levels), scales, lows, inputs)
+                             for levels, scales, lows in (int4_levels(raw, t) for raw, t in parts)])
+
+
+def int8_rows(parts: list[tuple[torch.Tensor, str]], inputs: torch.dtype) -> quant.Int8Weight:
+    """Matrices of quantized types (raw rows, type), stacked by rows, as int8 with a scale per row."""
+    if _native is not None:
+        values, scales = _native.int8_rows([raw.contiguous() for raw, _ in parts], [t for _, t in parts], cols(*parts[0]))
+        return quant.Int8Weight(values, scales.to(inputs))
+    return quant.stack_rows([quant.quantize_int8(dequantize(raw[i : i + quant.INT8_ROWS], t), inputs)
+                             for raw, t in parts for i in range(0, raw.shape[0], quant.INT8_ROWS)])  # bounded temporaries
+
+
+def cols(raw: torch.Tensor, type_name: str) -> int:
+    block = TYPES[type_name]
+    return raw.shape[1] // block.bytes * block.values
