@@ -5,6 +5,7 @@ would make; one test runs the real measurement on a tiny model.
 """
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,11 @@ from tornchat.engine import autotune, cpu, llama, quant
 from tornchat.engine.autotune import Format
 
 IDS = list(range(100, 160))
+
+
+def plain(model):
+    """Config and plain weights, fresh for each choice (a choice may give the plain layers up)."""
+    return llama.from_transformers(model)
 
 
 def fake_machine(monkeypatch, step_ms: dict, estimate_ms: dict | None = None, quality: dict | None = None,
@@ -28,18 +34,19 @@ def fake_machine(monkeypatch, step_ms: dict, estimate_ms: dict | None = None, qu
 
     def time_steps(runner, ids):
         calls["steps"] += 1
-        return step_ms[runner.quantize, "bf16" if runner.inputs == torch.bfloat16 else "fp32"] / 1000
+        fmt = getattr(runner, "format", Format("none"))
+        return step_ms[fmt.quantize, fmt.inputs] / 1000
 
     def check_quality(runner, ids, reference):
         calls["quality"] += 1
-        inputs = "bf16" if runner.inputs == torch.bfloat16 else "fp32"
-        return {"perplexity_rise": (quality or {}).get((runner.quantize, inputs), 0.0), "agreement": 1.0, "positions": 9.0}
+        fmt = runner.format
+        return {"perplexity_rise": (quality or {}).get((fmt.quantize, fmt.inputs), 0.0), "agreement": 1.0, "positions": 9.0}
 
     monkeypatch.setattr(autotune, "time_matmuls", time_matmuls)
     monkeypatch.setattr(autotune, "time_steps", time_steps)
     monkeypatch.setattr(autotune, "check_quality", check_quality)
     monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (False, {}))
-    monkeypatch.setattr(autotune, "bf16_prefill_pays", lambda base: (False, {}))
+    monkeypatch.setattr(autotune, "prefill_policy", lambda runner: ("kernels", 1, {}))
     return calls
 
 
@@ -49,45 +56,47 @@ AVX2_LIKE = {("none", "fp32"): 40.0, ("bf16", "bf16"): 12.0, ("int8", "bf16"): 9
 
 def test_fastest_format_whose_quality_holds(tiny_model, tmp_path, monkeypatch):
     calls = fake_machine(monkeypatch, AVX2_LIKE, quality={("int8", "bf16"): 0.05})  # int8 fastest, but lossy
-    runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
-    assert choice.format == Format("int4", "bf16", "fp32") and (runner.quantize, runner.inputs) == ("int4", torch.bfloat16)
+    runner, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert choice.format == Format("int4", "bf16", "fp32") and runner.format == choice.format
+    assert isinstance(runner.layers[0].w13, quant.Int4Weight) and quant.input_dtype(runner.layers[0].w13) == torch.bfloat16
     assert not choice.cached and calls["quality"] == 2
     # Only candidates within 3x of the best estimate get whole steps timed: not fp32, nor the scalar fp32-input paths.
     assert calls["steps"] == 3 and len(choice.estimate_ms) == 6
-    assert choice.step_ms == {"bf16 (bf16 inputs, fp32 cache, fp32 prefill)": 12.0, "int8 (bf16 inputs, fp32 cache, fp32 prefill)": 9.0,
-                              "int4 (bf16 inputs, fp32 cache, fp32 prefill)": 10.0}
+    assert choice.step_ms == {"bf16 (bf16 inputs, fp32 cache, prefill kernels)": 12.0,
+                              "int8 (bf16 inputs, fp32 cache, prefill kernels)": 9.0,
+                              "int4 (bf16 inputs, fp32 cache, prefill kernels)": 10.0}
 
 
 def test_whole_steps_overrule_the_one_layer_estimate(tiny_model, tmp_path, monkeypatch):
     estimates = {**AVX2_LIKE, ("int8", "bf16"): 4.0}  # cache-resident weights flatter int8
     fake_machine(monkeypatch, AVX2_LIKE | {("int8", "bf16"): 11.0}, estimate_ms=estimates)
-    _, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
+    _, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
     assert choice.format.quantize == "int4"
 
 
 def test_a_cpu_where_fp32_inputs_win(tiny_model, tmp_path, monkeypatch):
     """As the AVX-512 machine without bf16 measured for int4 (PERF-NOTES.md)."""
     fake_machine(monkeypatch, {**AVX2_LIKE, ("int4", "fp32"): 5.0, ("int4", "bf16"): 30.0, ("bf16", "bf16"): 50.0})
-    runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
-    assert choice.format == Format("int4", "fp32") and runner.inputs == torch.float32
+    runner, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert choice.format == Format("int4", "fp32") and quant.input_dtype(runner.layers[0].w13) == torch.float32
 
 
 def test_kernels_missing_on_this_cpu_are_skipped(tiny_model, tmp_path, monkeypatch, caplog):
     fake_machine(monkeypatch, AVX2_LIKE, missing={("int8", "bf16"), ("int4", "bf16")})
     with caplog.at_level(logging.INFO, logger="tornchat.engine"):
-        _, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
+        _, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
     assert choice.format == Format("bf16", "bf16")
     assert "do not run here: kernel not built for this CPU" in caplog.text and "second line" not in caplog.text
     fake_machine(monkeypatch, AVX2_LIKE, missing={("bf16", "bf16")})
     with pytest.raises(autotune.NoFormat, match="--quantize bf16: none of its kernels runs on this CPU"):
-        autotune.choose(tiny_model, "bf16", IDS, tmp_path / "d.json", "ckpt")
+        autotune.choose(*plain(tiny_model), "bf16", IDS, tmp_path / "d.json", "ckpt")
 
 
 def test_an_explicit_mode_times_its_inputs_and_skips_the_quality_gate(tiny_model, tmp_path, monkeypatch):
     calls = fake_machine(monkeypatch, {**AVX2_LIKE, ("int8", "fp32"): 8.0}, quality={("int8", "fp32"): 0.5})
-    runner, choice = autotune.choose(tiny_model, "int8", IDS, tmp_path / "d.json", "ckpt")
+    runner, choice = autotune.choose(*plain(tiny_model), "int8", IDS, tmp_path / "d.json", "ckpt")
     assert choice.format == Format("int8", "fp32") and calls["quality"] == 0
-    assert set(choice.estimate_ms) == {"int8 (bf16 inputs, fp32 cache, fp32 prefill)", "int8 (fp32 inputs, fp32 cache, fp32 prefill)"}
+    assert set(choice.estimate_ms) == {"int8 (bf16 inputs, fp32 cache, prefill kernels)", "int8 (fp32 inputs, fp32 cache, prefill kernels)"}
 
 
 def test_int4_is_no_candidate_where_the_shapes_do_not_fit():
@@ -98,35 +107,65 @@ def test_int4_is_no_candidate_where_the_shapes_do_not_fit():
 def test_the_bf16_cache_goes_with_the_packed_formats_where_it_pays(tiny_model, tmp_path, monkeypatch):
     fake_machine(monkeypatch, AVX2_LIKE)
     monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (True, {}))
-    runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
+    runner, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
     assert choice.format == Format("int8", "bf16", "bf16") and runner.new_cache().kv.dtype == torch.bfloat16
 
 
-def test_bf16_prefill_weights_go_with_the_packed_formats_where_they_pay(tiny_model, tmp_path, monkeypatch):
+def test_the_prefill_policy_goes_with_the_kept_format(tiny_model, tmp_path, monkeypatch):
     fake_machine(monkeypatch, AVX2_LIKE)
-    monkeypatch.setattr(autotune, "bf16_prefill_pays", lambda base: (True, {}))
-    runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "ckpt")
-    assert choice.format == Format("int8", "bf16", "fp32", "bf16") and runner.prefill_bf16
-    assert quant.input_dtype(runner.layers[0].w13) == torch.bfloat16
-    assert isinstance(runner.decode_layers[0].w13, quant.Int8Weight)  # packed from the model's own fp32 weights
+    monkeypatch.setattr(autotune, "prefill_policy", lambda runner: ("bf16", 128, {}))
+    runner, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert choice.format == Format("int8", "bf16", "fp32", "bf16", 128)
+    assert (runner.prefill_dtype, runner.prefill_from) == (torch.bfloat16, 128)
+    assert isinstance(runner.layers[0].w13, quant.Int8Weight)  # one copy: prefill dequantizes the packed weights
+    again, cached = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert cached.cached and (again.prefill_dtype, again.prefill_from) == (torch.bfloat16, 128)
 
 
-def test_bf16_prefill_pays_by_timing(tiny_model, monkeypatch):
-    base = llama.LlamaRunner(tiny_model)
-    for fp32_ms, bf16_ms, pays in ((1.0, 0.25, True), (1.0, 0.9, False), (1.0, 1.1, False)):
-        times = iter([fp32_ms, bf16_ms] * 4)
-        monkeypatch.setattr(autotune, "_seconds", lambda fn, repeats, calls: next(times) / 1000)
-        decided, ms = autotune.bf16_prefill_pays(base)
-        assert decided == pays and ms["fp32"] == pytest.approx(4 * fp32_ms)
+def fake_prefill_timings(monkeypatch, table: dict):
+    """_seconds from table[rows, path], path being kernels, bf16 or fp32 as the timed call's matmul shows."""
+    runs = []
+    real_linear = quant.linear
+
+    def linear(x, w):
+        path = "kernels" if not isinstance(w, torch.Tensor) else {torch.bfloat16: "bf16", torch.float32: "fp32"}[w.dtype]
+        runs.append((x.shape[0], path))
+        return real_linear(x, w)
+
+    def timed(fn, repeats, calls):
+        runs.clear()
+        fn()
+        return table[runs[-1]] / 1000 / 4  # four matrices per layer
+
+    monkeypatch.setattr(quant, "linear", linear)
+    monkeypatch.setattr(autotune, "_seconds", timed)
 
 
-def test_no_bf16_prefill_where_bf16_matmuls_do_not_run(tiny_model, monkeypatch):
-    def refuse(weight):
-        raise RuntimeError("bf16 matmul not built for this CPU")
+@pytest.mark.parametrize("table, expected", [
+    ({(512, "kernels"): 10, (512, "bf16"): 4, (512, "fp32"): 8, (256, "kernels"): 5, (256, "bf16"): 2,
+      (128, "kernels"): 2, (128, "bf16"): 3}, ("bf16", 256)),
+    ({(512, "kernels"): 10, (512, "bf16"): 9, (512, "fp32"): 8, (256, "kernels"): 5, (256, "fp32"): 6}, ("fp32", 512)),
+    ({(512, "kernels"): 3, (512, "bf16"): 4, (512, "fp32"): 8}, ("kernels", 1)),
+])
+def test_the_prefill_policy_is_timed_by_chunk_length(tiny_model, monkeypatch, table, expected):
+    runner = autotune.Format("int8", "bf16").runner(*plain(tiny_model))
+    fake_prefill_timings(monkeypatch, table)
+    dtype, start, ms = autotune.prefill_policy(runner)
+    assert (dtype, start) == expected and ms["kernels 512"] == pytest.approx(table[512, "kernels"])
 
-    monkeypatch.setattr(quant, "to_bf16", refuse)
-    decided, _ = autotune.bf16_prefill_pays(llama.LlamaRunner(tiny_model))
-    assert decided is False
+
+def test_no_dequantized_prefill_where_bf16_matmuls_do_not_run(tiny_model, monkeypatch):
+    runner = autotune.Format("int8", "bf16").runner(*plain(tiny_model))
+    real_linear = quant.linear
+
+    def refuse_bf16(x, w):
+        if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16:
+            raise RuntimeError("bf16 matmul not built for this CPU")
+        return real_linear(x, w)
+
+    monkeypatch.setattr(quant, "linear", refuse_bf16)
+    dtype, _, ms = autotune.prefill_policy(runner)
+    assert dtype in ("fp32", "kernels") and "bf16 512" not in ms
 
 
 @pytest.mark.parametrize("decode, prefill, pays", [((1, 2), (10, 10), True), ((2, 1), (10, 10), False),
@@ -135,30 +174,30 @@ def test_a_bf16_cache_must_win_decode_and_lose_nothing_on_prefill(tiny_model, mo
     table = {(torch.bfloat16, 1): decode[0], (torch.float32, 1): decode[1],
              (torch.bfloat16, 64): prefill[0], (torch.float32, 64): prefill[1]}
     monkeypatch.setattr(autotune, "time_attention", lambda base, dtype, rows: table[dtype, rows])
-    decided, ms = autotune.bf16_cache_pays(llama.LlamaRunner(tiny_model))
+    decided, ms = autotune.bf16_cache_pays(llama.LlamaRunner(*plain(tiny_model)))
     assert decided == pays and ms["decode bf16"] == 1000 * decode[0]
 
 
 def test_the_decision_is_cached_per_cpu_checkpoint_and_mode(tiny_model, tmp_path, monkeypatch):
     cache_file = tmp_path / "d.json"
     calls = fake_machine(monkeypatch, AVX2_LIKE)
-    _, first = autotune.choose(tiny_model, "auto", IDS, cache_file, "ckpt")
+    _, first = autotune.choose(*plain(tiny_model), "auto", IDS, cache_file, "ckpt")
     measured = dict(calls)
-    runner, again = autotune.choose(tiny_model, "auto", IDS, cache_file, "ckpt")
+    runner, again = autotune.choose(*plain(tiny_model), "auto", IDS, cache_file, "ckpt")
     assert calls == measured and again.cached and again.format == first.format == Format("int8", "bf16")
-    assert (runner.quantize, runner.inputs) == ("int8", torch.bfloat16)
+    assert runner.format == again.format and isinstance(runner.layers[0].w13, quant.Int8Weight)
     stored = json.loads(cache_file.read_text())
     assert len(stored) == 1 and "packed" not in cache_file.read_text()  # the decision, never weights
     about = next(iter(stored.values()))["for"]
     assert about["cpu"] == cpu.model_name() and about["torch"] == torch.__version__ and about["checkpoint"] == "ckpt"
-    for change in (lambda: autotune.choose(tiny_model, "auto", IDS, cache_file, "another checkpoint"),
-                   lambda: autotune.choose(tiny_model, "int4", IDS, cache_file, "ckpt")):
+    for change in (lambda: autotune.choose(*plain(tiny_model), "auto", IDS, cache_file, "another checkpoint"),
+                   lambda: autotune.choose(*plain(tiny_model), "int4", IDS, cache_file, "ckpt")):
         before = calls["matmuls"]
         change()
         assert calls["matmuls"] > before
     monkeypatch.setattr(cpu, "model_name", lambda: "Some Other CPU")
     before = calls["matmuls"]
-    autotune.choose(tiny_model, "auto", IDS, cache_file, "ckpt")
+    autotune.choose(*plain(tiny_model), "auto", IDS, cache_file, "ckpt")
     assert calls["matmuls"] > before and len(json.loads(cache_file.read_text())) == 4
 
 
@@ -166,7 +205,7 @@ def test_the_cache_file_keeps_the_latest_decisions(tiny_model, tmp_path, monkeyp
     monkeypatch.setattr(autotune, "MAX_DECISIONS", 3)
     fake_machine(monkeypatch, AVX2_LIKE)
     for checkpoint in ("a", "b", "c", "d", "b"):
-        autotune.choose(tiny_model, "int8", IDS, tmp_path / "d.json", checkpoint)
+        autotune.choose(*plain(tiny_model), "int8", IDS, tmp_path / "d.json", checkpoint)
     kept = [entry["for"]["checkpoint"] for entry in json.loads((tmp_path / "d.json").read_text()).values()]
     assert kept == ["b", "c", "d"]  # a cached decision is read, not written again
 
@@ -174,25 +213,41 @@ def test_the_cache_file_keeps_the_latest_decisions(tiny_model, tmp_path, monkeyp
 def test_real_measurement_on_a_tiny_model(tiny_model, tmp_path, caplog):
     """No fakes: every candidate that runs on this CPU is timed, and the choice passes its own quality gate."""
     with caplog.at_level(logging.INFO, logger="tornchat.engine"):
-        runner, choice = autotune.choose(tiny_model, "auto", IDS, tmp_path / "d.json", "tiny")
+        runner, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "tiny")
     fmt = choice.format
     assert (fmt.quantize, fmt.inputs) in [(f.quantize, f.inputs) for f in autotune.candidates("auto", True)]
     assert choice.step_ms and all(ms > 0 for ms in choice.step_ms.values())
-    assert choice.step_ms[choice.format.label()] == min(choice.step_ms.values()) or "rejected" in caplog.text
+    decode_label = replace(choice.format, prefill="kernels", prefill_from=1).label()  # steps are timed before prefill
+    assert choice.step_ms[decode_label] == min(choice.step_ms.values()) or "rejected" in caplog.text
     if choice.format.quantize != "none":
-        assert autotune.passes(autotune.check_quality(runner, IDS, llama.LlamaRunner(tiny_model)))
+        own = llama.LlamaRunner(*plain(tiny_model)).score(IDS, "exact")
+        assert autotune.passes(autotune.check_quality(runner, IDS, own))
     assert "chosen in" in caplog.text
 
 
-def test_check_quality_measures_the_decode_and_prefill_weights(tiny_model):
-    own = llama.LlamaRunner(tiny_model)
-    same = autotune.check_quality(own, IDS, own)  # decode and prefill read the model's own weights
+def test_check_quality_measures_the_decode_and_prefill_paths(tiny_model):
+    own_runner = llama.LlamaRunner(*plain(tiny_model))
+    own = own_runner.score(IDS, "exact")
+    same = autotune.check_quality(own_runner, IDS, own)  # decode and prefill read the model's own weights
     assert same["perplexity_rise"] == pytest.approx(0, abs=1e-6) and same["agreement"] == 1.0
-    assert autotune.passes(autotune.check_quality(llama.LlamaRunner(tiny_model, quantize="int8"), IDS, own))
-    for broken in (llama.LlamaRunner(tiny_model, quantize="int8"), llama.LlamaRunner(tiny_model, prefill_bf16=True)):
-        if broken.prefill_bf16:
-            broken.lm_head = -broken.lm_head  # prefill's head: the opposite preferences
-        else:
-            broken.decode_head = -broken.lm_head
+    int8 = Format("int8", "bf16", prefill="fp32", prefill_from=8).runner(*plain(tiny_model))
+    assert autotune.passes(autotune.check_quality(int8, IDS, own))
+    for path in ("prefill", "decode"):  # break one path: its logits prefer the opposite
+        broken = Format("int8", "bf16", prefill="fp32", prefill_from=8).runner(*plain(tiny_model))
+        real_score = broken.score
+        broken.score = lambda ids, mode, path=path, real=real_score: -real(ids, mode) if mode == path else real(ids, mode)
         quality = autotune.check_quality(broken, IDS, own)
         assert quality["perplexity_rise"] > 0.02 and not autotune.passes(quality)
+
+
+def test_a_quantized_ggufs_blocks_are_a_format_whose_inputs_are_timed(tmp_path, monkeypatch):
+    """autotune's "packed" format: a GGUF's blocks as loaded, fed bf16 or fp32 inputs; no repacking."""
+    from tornchat import checkpoint
+    from tornchat.weights import gguf_file
+
+    config, weights = gguf_file.load(checkpoint.default_gguf_path())
+    fake_machine(monkeypatch, {("packed", "bf16"): 5.0, ("packed", "fp32"): 40.0})
+    runner, choice = autotune.choose(config, weights, "packed", IDS, tmp_path / "d.json", "gguf", gate=True)
+    assert choice.format == Format("packed", "bf16") and runner.layers[0].w13.packed is weights.layers[0].w13.packed
+    assert quant.input_dtype(runner.layers[0].w13) == torch.bfloat16
+    assert [f.inputs for f in autotune.candidates("packed", int4_fits=True)] == ["bf16", "fp32"]

@@ -4,6 +4,8 @@ import torch
 
 from tornchat.engine import fused, llama, quant
 
+from runners import lean
+
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -70,8 +72,8 @@ def test_bad_inputs_raise_instead_of_crashing():
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])
 def test_runner_gives_the_same_logits_with_either_ops(tiny_model, quantize):
-    native = llama.LlamaRunner(tiny_model, quantize=quantize)
-    reference = llama.LlamaRunner(tiny_model, quantize=quantize, ops=fused.REFERENCE)
+    native = lean(tiny_model, quantize)
+    reference = lean(tiny_model, quantize, ops=fused.REFERENCE)
     assert native.ops is fused.NATIVE and native.decode_step is not None and reference.decode_step is None
     tokens = list(range(30, 70))
     caches = native.new_cache(), reference.new_cache()
@@ -88,10 +90,10 @@ def test_runner_gives_the_same_logits_with_either_ops(tiny_model, quantize):
 def test_the_cpp_decode_step_is_the_python_loop(model_name, quantize, inputs, kv_dtype, request):
     """DecodeStep runs _layers' loop in C++: the same caches and logits, step after step, biases included."""
     model = request.getfixturevalue(model_name)
-    cpp = llama.LlamaRunner(model, quantize=quantize, inputs=inputs, kv_dtype=kv_dtype)
-    loop = llama.LlamaRunner(model, quantize=quantize, inputs=inputs, kv_dtype=kv_dtype)
+    cpp = lean(model, quantize, inputs, kv_dtype=kv_dtype)
+    loop = lean(model, quantize, inputs, kv_dtype=kv_dtype)
     loop.decode_step = None
-    if quantize == "bf16" and isinstance(cpp.decode_head, quant.Bf16Weight):
+    if quantize == "bf16" and isinstance(cpp.head, quant.Bf16Weight):
         assert cpp.decode_step is None  # oneDNN's packed weights stay with the Python loop
         return
     assert cpp.decode_step is not None

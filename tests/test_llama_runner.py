@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tornchat import prompt
+from tornchat import checkpoint, prompt
 from tornchat.config import Config
 from tornchat.engine import cpu, llama, quant
 from tornchat.engine.build import make_runner
@@ -18,6 +18,8 @@ from tornchat.engine.model import HFRunner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.types import GenerationRequest, SamplingParams
 from tornchat.engine.worker import Engine
+
+from runners import exact, lean
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [
@@ -37,19 +39,19 @@ def run_chunks(runner, cache, tokens: list[int], chunk: int) -> torch.Tensor:
 @pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen2"])
 def test_tiny_logits_match_hf_prefill_chunks_and_decode(model_name, request):
     model = request.getfixturevalue(model_name)
-    hf, lean = HFRunner(model), llama.LlamaRunner(model)
+    hf, lean_runner = HFRunner(model), lean(model)
     tokens = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    hf_cache, lean_cache = hf.new_cache(), lean.new_cache()
+    hf_cache, lean_cache = hf.new_cache(), lean_runner.new_cache()
     expected = run_chunks(hf, hf_cache, tokens, 40)
-    got = run_chunks(lean, lean_cache, tokens, 7)  # uneven chunks: masks with a cached prefix
+    got = run_chunks(lean_runner, lean_cache, tokens, 7)  # uneven chunks: masks with a cached prefix
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     for token in (5, 17, 99):
-        torch.testing.assert_close(lean.forward([token], lean_cache), hf.forward([token], hf_cache), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lean_runner.forward([token], lean_cache), hf.forward([token], hf_cache), atol=1e-4, rtol=1e-4)
     assert lean_cache.length == 43
 
 
 def test_cache_grows_in_chunks_and_truncate_recomputes(tiny_model):
-    runner = llama.LlamaRunner(tiny_model)
+    runner = lean(tiny_model)
     per_position = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv_heads * head_dim * fp32 bytes
     cache = runner.new_cache()
     assert runner.cache_bytes(cache) == 0
@@ -74,7 +76,7 @@ def test_cache_grows_in_chunks_and_truncate_recomputes(tiny_model):
 
 
 def test_context_is_capped(tiny_model):
-    runner = llama.LlamaRunner(tiny_model)  # max_position_embeddings = 512
+    runner = lean(tiny_model)  # max_position_embeddings = 512
     cache = runner.new_cache()
     runner.forward(list(range(511)), cache)
     runner.forward([3], cache)
@@ -123,17 +125,6 @@ def test_int8_round_trip_and_kernel_match_dequantized_weights(inputs):
     torch.testing.assert_close(out.float(), F.linear(x.to(inputs).float(), kernel_weight), atol=3e-2, rtol=1e-2)
 
 
-def fake_quantized(model):
-    """A copy whose layer projections hold the int4 grid's values: int4 numerics at fp32 speed."""
-    fake = copy.deepcopy(model)
-    with torch.no_grad():
-        for layer in fake.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                proj.weight.copy_(quant.fake_quantize_int4(proj.weight, 32))
-    return fake
-
-
 def prefill_then_step(runners, tokens: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Each runner prefills tokens into a cache of its own, then decodes one step: (prefill logits, step logits)."""
     caches = [r.new_cache() for r in runners]
@@ -143,27 +134,24 @@ def prefill_then_step(runners, tokens: list[int]) -> tuple[list[torch.Tensor], l
 
 @pytest.mark.parametrize("mode", ["int4", "int8"])
 @pytest.mark.parametrize("inputs", [torch.bfloat16, torch.float32])
-def test_quantized_runner_decodes_with_packed_layers_and_prefills_in_fp32(tiny_model, mode, inputs):
-    fp32, packed = llama.LlamaRunner(tiny_model), llama.LlamaRunner(tiny_model, quantize=mode, inputs=inputs)
+def test_one_copy_of_packed_weights_serves_decode_and_prefill(tiny_model, mode, inputs):
+    """Decode steps run the packed kernels; a prefill chunk from prefill_from rows dequantizes the same packed
+    weights, layer by layer, and computes exactly what plain weights of those values compute."""
+    fp32 = lean(tiny_model)
+    packed = lean(tiny_model, mode, inputs, prefill_dtype=torch.float32, prefill_from=16)
     layer_type = quant.Int4Weight if mode == "int4" else quant.Int8Weight
-    assert all(isinstance(layer.w13, layer_type) and quant.input_dtype(layer.w13) == inputs for layer in packed.decode_layers)
-    assert isinstance(packed.decode_head, quant.Int8Weight)  # int4 heads cost SmolLM2 8% perplexity
-    # What packed decode computes: the layers' and head's dequantized weights, fed inputs rounded to `inputs`.
-    reference = llama.LlamaRunner(tiny_model)
-    if mode == "int4":
-        reference.decode_layers = llama.LlamaRunner(fake_quantized(tiny_model)).layers
-    else:
-        reference.decode_layers = [
-            layer._replace(**{name: quant.fake_quantize_int8(getattr(layer, name)) for name in ("wqkv", "wo", "w13", "w2")})
-            for layer in reference.layers
-        ]
-    reference.decode_head = quant.fake_quantize_int8(reference.lm_head)
-    reference.decode_step = None  # it was built over the layers replaced above
-    prefill, steps = prefill_then_step((fp32, packed, reference), list(range(50, 80)))
-    torch.testing.assert_close(prefill[1], prefill[2], atol=0, rtol=0)  # prefill reads the fp32 weights
-    torch.testing.assert_close(prefill[1], prefill[0], atol=0, rtol=0)
+    assert all(isinstance(layer.w13, layer_type) and quant.input_dtype(layer.w13) == inputs for layer in packed.layers)
+    assert isinstance(packed.head, quant.Int8Weight)  # int4 heads cost SmolLM2 8% perplexity
+    assert packed.weights.embed is packed.head  # tied: the head's rows are the embedding, one copy
+    reference = exact(packed)
+    tokens = list(range(50, 80))
+    torch.testing.assert_close(packed.score(tokens, "prefill"), reference.score(tokens, "prefill"), atol=0, rtol=0)
+    prefill, steps = prefill_then_step((fp32, packed, reference), tokens)  # a forward's last row: the head's kernel
+    torch.testing.assert_close(prefill[1], prefill[2], atol=2e-2, rtol=2e-2)
+    short = [r.forward(list(range(50, 60)), r.new_cache()) for r in (packed, reference)]  # 10 rows: the kernels
+    torch.testing.assert_close(short[0], short[1], atol=2e-2, rtol=2e-2)
     assert steps[1].dtype == torch.float32
-    torch.testing.assert_close(steps[1], steps[2], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(steps[1], steps[2], atol=2e-2, rtol=2e-2)  # only the inputs' rounding differs
     assert not torch.equal(steps[1], steps[0])  # it really used other weights
 
 
@@ -173,66 +161,71 @@ def test_bf16_runner_decodes_with_bf16_weights_with_or_without_onednn(tiny_model
     if onednn and not cpu.packs_bf16():
         pytest.skip(f"oneDNN has no packed bf16 linear on this CPU ({cpu.describe()}); the fallback case runs")
     monkeypatch.setattr(cpu, "packs_bf16", lambda: onednn)
-    fp32, bf16 = llama.LlamaRunner(tiny_model), llama.LlamaRunner(tiny_model, quantize="bf16")
+    fp32, bf16 = lean(tiny_model), lean(tiny_model, "bf16")
     expected_type = quant.Bf16Weight if onednn else torch.Tensor
-    assert all(isinstance(layer.w13, expected_type) for layer in bf16.decode_layers)
-    assert isinstance(bf16.decode_head, expected_type) and quant.input_dtype(bf16.decode_head) == torch.bfloat16
-    assert bf16.layers[0].w13.dtype == torch.float32
-    # What bf16 decode computes: every projection on bf16-rounded weights and inputs, the rest in fp32.
-    reference = llama.LlamaRunner(tiny_model)
-    reference.decode_layers = [
-        layer._replace(**{name: getattr(layer, name).bfloat16().float() for name in ("wqkv", "wo", "w13", "w2")})
-        for layer in reference.layers
-    ]
-    reference.decode_head = reference.lm_head.bfloat16().float()
-    reference.decode_step = None  # it was built over the layers replaced above
+    assert all(isinstance(layer.w13, expected_type) for layer in bf16.layers)
+    assert isinstance(bf16.head, expected_type) and quant.input_dtype(bf16.head) == torch.bfloat16
+    # oneDNN's layout cannot give rows back, so the embedding keeps its own plain copy; plain bf16 can.
+    assert (bf16.weights.embed is bf16.head) == (not onednn)
+    # What bf16 computes: every projection on bf16-rounded weights and inputs, the rest in fp32.
+    config, weights = llama.from_transformers(tiny_model)
+    rounded = llama.LlamaWeights(
+        embed=weights.embed.bfloat16().float() if not onednn else weights.embed,
+        layers=[layer.packed(lambda w: w.bfloat16().float()) for layer in weights.layers],
+        final_norm=weights.final_norm, head=weights.head.bfloat16().float(),
+    )
+    reference = llama.LlamaRunner(config, rounded)
     prefill, steps = prefill_then_step((fp32, bf16, reference), list(range(50, 80)))
-    torch.testing.assert_close(prefill[1], prefill[2], atol=0, rtol=0)  # prefill reads the fp32 weights
-    one_token_prefill = [r.forward([11], r.new_cache()) for r in (reference, bf16)]
-    torch.testing.assert_close(one_token_prefill[1], one_token_prefill[0], atol=0, rtol=0)  # however short
     assert steps[1].dtype == torch.float32
-    torch.testing.assert_close(steps[1], steps[2], atol=2e-2, rtol=2e-2)  # only the inputs' rounding differs
+    for got, want in ((prefill[1], prefill[2]), (steps[1], steps[2])):  # only the inputs' rounding differs
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     assert not torch.equal(steps[1], steps[0])
     torch.testing.assert_close(steps[1], steps[0], atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float32])
 def test_cache_dtype_is_a_setting_kept_by_growth_and_forks(tiny_model, kv_dtype):
-    fp32 = llama.LlamaRunner(tiny_model)
+    fp32 = lean(tiny_model)
     assert fp32.new_cache().kv.dtype == torch.float32  # the model's own by default
-    runner = llama.LlamaRunner(tiny_model, quantize="int4", kv_dtype=kv_dtype)
+    runner = lean(tiny_model, "int4", kv_dtype=kv_dtype, prefill_dtype=torch.float32)
     cache = runner.new_cache()
-    logits = runner.forward(list(range(300)), cache)  # grows past one chunk
+    runner.forward(list(range(300)), cache)  # grows past one chunk
     forked = runner.fork(cache, 30)
     assert cache.kv.dtype == forked.kv.dtype == kv_dtype
     assert runner.cache_bytes(forked) == forked.kv.numel() * forked.kv.element_size()
     # A bf16 cache rounds keys and values, nothing else.
     tolerance = 3e-2 if kv_dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(logits, fp32.forward(list(range(300)), fp32.new_cache()), atol=tolerance, rtol=tolerance)
+    got, expected = runner.score(list(range(300)), "prefill"), exact(runner).score(list(range(300)), "prefill")
+    torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)
 
 
 def test_score_gives_every_position_as_forward_does(tiny_model):
-    runner = llama.LlamaRunner(tiny_model, quantize="int8")
+    runner = lean(tiny_model, "int8", prefill_dtype=torch.float32, prefill_from=8)
     tokens = list(range(40, 60))
-    for decode in (False, True):
-        scores = runner.score(tokens, decode)
-        assert scores.shape == (20, len(runner.embed)) and scores.dtype == torch.float32
+    for mode, decode in (("prefill", False), ("decode", True)):
+        scores = runner.score(tokens, mode)
+        assert scores.shape == (20, tiny_model.config.vocab_size) and scores.dtype == torch.float32
         cache = runner.new_cache()
         runner.forward(tokens[:5], cache)
         step = runner.forward([tokens[5]], cache, decode=decode)
         torch.testing.assert_close(scores[5], step, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(runner.score(tokens, "exact"), exact(runner).score(tokens, "prefill"), atol=0, rtol=0)
 
 
 def test_build_picks_runner(tiny_model, monkeypatch, tmp_path):
     monkeypatch.setenv("TORNCHAT_CACHE", str(tmp_path))
     ids = list(range(100, 140))
-    assert isinstance(make_runner(tiny_model, Config(), ids, "tiny"), llama.LlamaRunner)
-    assert isinstance(make_runner(tiny_model, Config(model_impl="hf"), ids, "tiny"), HFRunner)
-    assert make_runner(tiny_model, Config(quantize="none"), ids, "tiny").decode_layers[0].w13.dtype == torch.float32
-    assert isinstance(make_runner(tiny_model, Config(quantize="int8"), ids, "tiny").decode_head, quant.Int8Weight)
+
+    def runner_for(config):
+        return make_runner(checkpoint.Loaded(tokenizer=None, source="tiny", model=tiny_model), config, ids, "tiny")
+
+    assert isinstance(runner_for(Config()), llama.LlamaRunner)
+    assert isinstance(runner_for(Config(model_impl="hf")), HFRunner)
+    assert runner_for(Config(quantize="none")).layers[0].w13.dtype == torch.float32
+    assert isinstance(runner_for(Config(quantize="int8")).head, quant.Int8Weight)
     assert (tmp_path / "decode-formats.json").exists()  # the measured choices, for the next start
     with pytest.raises(Exception, match="quantize int4 needs the lean forward"):
-        make_runner(tiny_model, Config(model_impl="hf", quantize="int4"), ids, "tiny")
+        runner_for(Config(model_impl="hf", quantize="int4"))
 
 
 # ---- the real SmolLM2 -------------------------------------------------------
@@ -256,7 +249,7 @@ def run(engine: Engine, ids: list[int], max_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def smol_lean(smol):
-    return llama.LlamaRunner(smol.model)
+    return lean(smol.model)
 
 
 def test_real_model_logits_and_greedy_match_hf(smol, smol_lean):
@@ -297,7 +290,7 @@ def test_int4_greedy_and_perplexity_track_fp32(smol, smol_lean):
     """This model's Q4_1 layers re-pack exactly, the Q8_0 head goes to per-row int8."""
     q_proj = smol.model.model.layers[5].self_attn.q_proj.weight
     torch.testing.assert_close(quant.fake_quantize_int4(q_proj), q_proj, atol=1e-5 * float(q_proj.abs().max()), rtol=0)
-    int4 = llama.LlamaRunner(smol.model, quantize="int4")
+    int4 = lean(smol.model, "int4")
     agree = total = 0
     for text in PROMPTS[1:]:
         ids = chat_ids(smol.tokenizer, text)

@@ -8,9 +8,15 @@ CPUs; int8 beat int4 on large shapes on AVX2 (PERF-NOTES.md, README). So at
 start-up each candidate is packed for the model's own layer shapes and
 timed, and the fastest whose quality holds is kept: perplexity and greedy
 agreement through the decode weights, against the model's own weights, on a
-fixed chat. The decision (never the packed weights, whose layout depends on
-the instruction set) is cached, keyed by CPU, checkpoint, torch version and
-thread count, so later starts skip the timing.
+fixed chat. Weights packed while loading (a quantized GGUF's blocks as int4
+and int8 by block type, or a checkpoint packed layer by layer) already are
+a format (``packed``): for them the kernels' input dtype is timed. Then the
+prefill of the kept format: from which chunk length its matrices are
+dequantized, layer by layer, into bf16 or fp32 for the chunk's matmuls
+rather than run through the decode kernels. The decision (never the packed
+weights, whose layout depends on the instruction set) is cached, keyed by
+CPU, checkpoint, torch version and thread count, so later starts skip the
+timing.
 """
 import hashlib
 import json
@@ -18,13 +24,13 @@ import logging
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
 from tornchat.engine import cpu, quant
-from tornchat.engine.llama import QUANTIZE, LlamaRunner, packers
+from tornchat.engine.llama import QUANTIZE, LlamaConfig, LlamaRunner, LlamaWeights, pack, packers
 
 log = logging.getLogger("tornchat.engine")
 
@@ -36,6 +42,7 @@ MAX_DECISIONS = 32  # kept in the cache file, the most recent
 ATTENTION_POSITIONS = 1024  # context at which the cache's dtype is timed
 PREFILL_ROWS = 512  # the engine's prefill chunk (model.PREFILL_CHUNK)
 PREFILL_MARGIN = 1.2  # bf16 prefill weights must be this much faster to be worth their rounding
+PREFILL_LADDER = (512, 256, 128, 32, 8)  # chunk lengths at which dequantizing for prefill is timed against the kernels
 FINALIST_MARGIN = 3.0  # candidates whose one-layer estimate is within this of the best get whole steps timed:
 # the estimate reads weights from the CPU cache and misranks close formats (int8 looked 2x faster than
 # int4 there, and was 1.3x slower in whole steps), but it does screen out 10-30x slower scalar paths
@@ -52,17 +59,29 @@ QUALITY_TEXT = [
 
 @dataclass(frozen=True)
 class Format:
-    quantize: str  # none | bf16 | int8 | int4 (llama.QUANTIZE)
+    quantize: str  # none | bf16 | int8 | int4 (llama.QUANTIZE) | file: a quantized GGUF's own blocks
     inputs: str = "fp32"  # what the int4 and int8 kernels are fed: bf16 | fp32
     kv: str = "fp32"  # the KV cache's dtype: bf16 | fp32
-    prefill: str = "fp32"  # the weights prefill reads: bf16 copies | fp32, the model's own
+    prefill: str = "kernels"  # bf16 | fp32: a chunk's matrices dequantized into it | kernels: the decode ones
+    prefill_from: int = 1  # chunks of at least this many rows dequantize; shorter ones run the kernels
 
     def label(self) -> str:
-        return f"{self.quantize} ({self.inputs} inputs, {self.kv} cache, {self.prefill} prefill)"
+        prefill = "kernels" if self.prefill == "kernels" else f"{self.prefill} from {self.prefill_from} rows"
+        return f"{self.quantize} ({self.inputs} inputs, {self.kv} cache, prefill {prefill})"
 
-    def runner(self, model: torch.nn.Module, **options) -> LlamaRunner:
-        return LlamaRunner(model, quantize=self.quantize, inputs=DTYPES[self.inputs], kv_dtype=DTYPES[self.kv],
-                           prefill_bf16=self.prefill == "bf16", **options)
+    def runner(self, config: LlamaConfig, weights: LlamaWeights, keep: bool = True) -> LlamaRunner:
+        """A runner over weights in this format: packed from plain ones (given up unless ``keep``), or, for
+        ``packed``, the packed weights fed this format's inputs."""
+        inputs = DTYPES[self.inputs]
+        if self.quantize == "packed":
+            weights = LlamaWeights(weights.embed, [layer.packed(lambda w: quant.fed(w, inputs)) for layer in weights.layers],
+                                   weights.final_norm, quant.fed(weights.head, inputs))
+        else:
+            weights = pack(weights, self.quantize, inputs, keep=keep)
+        runner = LlamaRunner(config, weights, kv_dtype=DTYPES[self.kv], prefill_from=self.prefill_from,
+                             prefill_dtype=None if self.prefill == "kernels" else DTYPES[self.prefill])
+        runner.format = self
+        return runner
 
 
 @dataclass
@@ -79,7 +98,10 @@ class NoFormat(Exception):
 
 
 def candidates(requested: str, int4_fits: bool) -> list[Format]:
-    """Formats to time for --quantize requested (auto: all), before the cache's dtype is picked."""
+    """Formats to time for --quantize requested (auto: all; file: a quantized GGUF's blocks), before the
+    cache's dtype is picked."""
+    if requested == "packed":
+        return [Format("packed", inputs="bf16"), Format("packed", inputs="fp32")]
     modes = QUANTIZE if requested == "auto" else (requested,)
     found = []
     for mode in modes:
@@ -108,14 +130,17 @@ def _seconds(fn, repeats: int = 7, calls: int = 10) -> float:
 def time_matmuls(fmt: Format, base: LlamaRunner) -> float:
     """Seconds per token of a decode step's matmuls in fmt: one layer's matrices packed and timed, times the
     layer count, plus the output projection. Raises RuntimeError where a kernel does not run on this CPU."""
-    pack_layer, pack_head = packers(fmt.quantize, DTYPES[fmt.inputs])
-    pack_layer, pack_head = pack_layer or (lambda w: w), pack_head or (lambda w: w)
+    if fmt.quantize == "packed":
+        pack_layer = pack_head = lambda w: quant.fed(w, DTYPES[fmt.inputs])  # noqa: E731
+    else:
+        pack_layer, pack_head = packers(fmt.quantize, DTYPES[fmt.inputs])
+        pack_layer, pack_head = pack_layer or (lambda w: w), pack_head or (lambda w: w)
     total = 0.0
     for matrix in base.layers[0].matrices():
         weight = pack_layer(matrix)
-        x = torch.randn(1, matrix.shape[1]).to(quant.input_dtype(weight))
+        x = torch.randn(1, quant.shape(matrix)[1]).to(quant.input_dtype(weight))
         total += _seconds(lambda: quant.linear(x, weight))
-    head = pack_head(base.lm_head)
+    head = pack_head(base.head)
     x = torch.randn(1, base.hidden).to(quant.input_dtype(head))
     return total * len(base.layers) + _seconds(lambda: quant.linear(x, head), repeats=5, calls=3)
 
@@ -143,33 +168,57 @@ def bf16_cache_pays(base: LlamaRunner) -> tuple[bool, dict[str, float]]:
     return ms["decode bf16"] < ms["decode fp32"] and ms["prefill bf16"] <= 1.05 * ms["prefill fp32"], ms
 
 
-def bf16_prefill_pays(base: LlamaRunner) -> tuple[bool, dict[str, float]]:
-    """bf16 weights for a prefill chunk's matmuls: 4.3-4.7x faster than fp32 with AVX-512 BF16, no faster
-    without bf16 hardware. One layer's matrices on PREFILL_ROWS rows, the faster by PREFILL_MARGIN wins."""
-    ms = {"fp32": 0.0, "bf16": 0.0}
-    for matrix in base.layers[0].matrices():
-        x = torch.randn(PREFILL_ROWS, matrix.shape[1])
+def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
+    """(prefill dtype, from how many rows) for runner's weights: one layer's matrices timed on PREFILL_LADDER
+    rows through the decode kernels and dequantized into bf16 or fp32 (bf16 must win by PREFILL_MARGIN: 4.3-4.7x
+    faster than fp32 with AVX-512 BF16, slower where bf16 is emulated). Dequantizing wins on long chunks, the
+    kernels on short ones; the shortest length from which dequantizing keeps winning is kept."""
+    matrices = runner.layers[0].matrices()
+    ms: dict[str, float] = {}
+
+    def timed(rows: int, dtype: torch.dtype | None) -> float:
+        total = 0.0
+        for matrix in matrices:
+            x = torch.randn(rows, quant.shape(matrix)[1])
+
+            def run():
+                plain = None if dtype is None else quant.dequantize(matrix, dtype)
+                return quant.linear(x, matrix if plain is None else plain)
+            total += 1000 * _seconds(run, repeats=3, calls=2)
+        return total
+
+    longest = PREFILL_LADDER[0]
+    ms[f"kernels {longest}"] = timed(longest, None)
+    dtypes = {}
+    for name, dtype in DTYPES.items():
+        if any(quant.dequantize(m, dtype, torch.zeros(1, dtype=torch.long)) is None for m in matrices):
+            return "kernels", 1, ms  # a layout only its kernel reads (oneDNN's bf16)
         try:
-            for name, weight in (("fp32", matrix), ("bf16", quant.to_bf16(matrix))):
-                rows = x.to(quant.input_dtype(weight))
-                ms[name] += 1000 * _seconds(lambda: quant.linear(rows, weight), repeats=3, calls=2)
+            ms[f"{name} {longest}"] = dtypes[name] = timed(longest, dtype)
         except RuntimeError as exc:  # no bf16 matmul in this CPU's build
-            log.info("bf16 prefill weights do not run here: %s", str(exc).splitlines()[0])
-            return False, ms
-    return ms["bf16"] * PREFILL_MARGIN < ms["fp32"], ms
+            log.info("%s prefill matmuls do not run here: %s", name, str(exc).splitlines()[0])
+    best = "bf16" if "bf16" in dtypes and dtypes["bf16"] * PREFILL_MARGIN < dtypes["fp32"] else "fp32"
+    if dtypes[best] >= ms[f"kernels {longest}"]:
+        return "kernels", 1, ms
+    start = longest
+    for rows in PREFILL_LADDER[1:]:
+        ms[f"kernels {rows}"], ms[f"{best} {rows}"] = timed(rows, None), timed(rows, DTYPES[best])
+        if ms[f"{best} {rows}"] >= ms[f"kernels {rows}"]:
+            break
+        start = rows
+    return best, start, ms
 
 
-def check_quality(runner: LlamaRunner, ids: list[int], reference: LlamaRunner) -> dict[str, float]:
-    """runner's prefill and decode weights against the model's own (reference's prefill) on ids: the worse
+def check_quality(runner: LlamaRunner, ids: list[int], own: torch.Tensor) -> dict[str, float]:
+    """runner's prefill and decode paths against the model's own logits on ids (``reference``): the worse
     perplexity rise of the two, and the worse agreement of greedy choices at the positions where the model's
     own logits are not near a tie (random-weight models have few)."""
-    own = reference.score(ids, decode=False)
     targets = torch.tensor(ids[1:])
     top2 = own.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) >= NEAR_TIE
     rises, agreements = [], []
-    for decode in (False, True):
-        logits = runner.score(ids, decode=decode)
+    for mode in ("prefill", "decode"):
+        logits = runner.score(ids, mode)
         rises.append(math.exp(float(F.cross_entropy(logits[:-1], targets) - F.cross_entropy(own[:-1], targets))) - 1)
         same = logits.argmax(-1) == own.argmax(-1)
         agreements.append(float(same[decided].float().mean()) if decided.any() else 1.0)
@@ -209,42 +258,45 @@ def time_steps(runner: LlamaRunner, ids: list[int], steps: int = 24) -> float:
     return statistics.median(times[2:])
 
 
-def choose(model: torch.nn.Module, requested: str, quality_ids: list[int], cache_file, checkpoint: str
-           ) -> tuple[LlamaRunner, Choice]:
-    """The runner for --quantize requested (auto or a mode) on a CPU, and why it was chosen.
+def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_ids: list[int], cache_file,
+           checkpoint: str, gate: bool | None = None) -> tuple[LlamaRunner, Choice]:
+    """The runner for --quantize requested (auto, a mode, or packed: weights packed while loading) on a CPU,
+    and why it was chosen. ``weights``: plain ones (packed into the format, and to be given up by the
+    caller afterwards) or, for ``packed``, the packed ones. ``gate``: check quality (default: for auto).
 
     Two rounds of timing: each candidate's matmuls for one layer (cheap, but
     the weights sit in the CPU's cache), then whole decode steps of the
     candidates within FINALIST_MARGIN of the best, packed for real. The
-    cache's dtype and bf16 prefill weights are timed on their own and go with
-    every packed format. An explicit mode still has its kernels' input dtype,
-    the cache's dtype and the prefill weights timed, and no quality check
-    (the user asked for it).
+    cache's dtype is timed on its own and goes with every packed format; the
+    prefill policy is timed for the format kept. An explicit mode still has
+    its kernels' input dtype, the cache's dtype and the prefill timed, and
+    no quality check (the user asked for it). The quality reference is the
+    model's own weights, or packed ones dequantized to fp32 (``score(..., "exact")``).
     """
     key = cache_key(requested, checkpoint)
     known = _read(cache_file).get(key)
     if known:
         choice = Choice(Format(**known["format"]), known["step_ms"], known["estimate_ms"], known["quality"], cached=True)
         log.info("decode weights %s: measured on an earlier start (%s)", choice.format.label(), cache_file)
-        return choice.format.runner(model), choice
+        return choice.format.runner(config, weights, keep=False), choice
 
     started = time.perf_counter()
-    base = LlamaRunner(model)  # the model's own weights: the shapes to time and the quality reference
-    int4_fits = all(quant.supports(m, 32) for m in base.layers[0].matrices())
+    base = LlamaRunner(config, weights)  # the shapes to time, and for plain weights the quality reference
+    int4_fits = all(quant.supports(m, 32) for m in base.layers[0].matrices() if isinstance(m, torch.Tensor))
     bf16_cache, attention_ms = bf16_cache_pays(base)
-    bf16_prefill, prefill_ms = bf16_prefill_pays(base)
     estimates = {}
     for fmt in candidates(requested, int4_fits):
         if fmt.quantize != "none":  # none stays the model's own weights throughout: the reference
-            fmt = Format(fmt.quantize, fmt.inputs, "bf16" if bf16_cache else "fp32", "bf16" if bf16_prefill else "fp32")
+            fmt = replace(fmt, kv="bf16" if bf16_cache else "fp32")
         try:
             estimates[fmt] = time_matmuls(fmt, base)
         except RuntimeError as exc:  # a kernel this CPU's build lacks
             log.info("decode weights %s do not run here: %s", fmt.label(), str(exc).splitlines()[0])
     if not estimates:
         raise NoFormat(f"--quantize {requested}: none of its kernels runs on this CPU ({cpu.model_name()})")
+
     def build(fmt: Format) -> LlamaRunner:
-        return base if fmt == Format("none") else fmt.runner(model)
+        return base if fmt == Format("none") else fmt.runner(config, weights)
 
     best = min(estimates.values())
     runners = {fmt: build(fmt) for fmt, s in estimates.items() if s <= FINALIST_MARGIN * best}
@@ -252,12 +304,21 @@ def choose(model: torch.nn.Module, requested: str, quality_ids: list[int], cache
     step_ms = {fmt.label(): round(1000 * s, 3) for fmt, s in steps.items()}
     estimate_ms = {fmt.label(): round(1000 * s, 3) for fmt, s in estimates.items()}
     log.info("decode step, ms: %s; estimates from one layer's matmuls, ms: %s; attention at %d positions, ms per "
-             "layer: %s; one layer's prefill matmuls on %d rows, ms: %s", step_ms, estimate_ms, ATTENTION_POSITIONS,
-             {k: round(v, 3) for k, v in attention_ms.items()}, PREFILL_ROWS, {k: round(v, 3) for k, v in prefill_ms.items()})
+             "layer: %s", step_ms, estimate_ms, ATTENTION_POSITIONS, {k: round(v, 3) for k, v in attention_ms.items()})
     ranked = sorted(steps, key=steps.get) + sorted(set(estimates) - set(steps), key=estimates.get)
+    reference = None
     for fmt in ranked:
         runner = runners.get(fmt) or build(fmt)
-        quality = check_quality(runner, quality_ids, base) if requested == "auto" and fmt.quantize != "none" else {}
+        prefill, prefill_from, prefill_ms = prefill_policy(runner)
+        log.info("prefill of %s, ms for one layer's matmuls by rows: %s", fmt.label(), {k: round(v, 3) for k, v in prefill_ms.items()})
+        fmt = replace(fmt, prefill=prefill, prefill_from=prefill_from)
+        runner.prefill_dtype = None if prefill == "kernels" else DTYPES[prefill]
+        runner.prefill_from, runner.format = prefill_from, fmt
+        quality = {}
+        if (requested == "auto" if gate is None else gate) and fmt != Format("none"):
+            if reference is None:  # the model's own weights, or the file's blocks dequantized to fp32
+                reference = base.score(quality_ids, "exact")
+            quality = check_quality(runner, quality_ids, reference)
         if quality and not passes(quality):
             log.info("decode weights %s rejected: %s", fmt.label(), quality)
             continue
@@ -265,7 +326,7 @@ def choose(model: torch.nn.Module, requested: str, quality_ids: list[int], cache
         log.info("decode weights %s chosen in %.1f s (quality %s)", fmt.label(), time.perf_counter() - started, quality)
         _remember(cache_file, key, choice, depends_on(requested, checkpoint))
         return runner, choice
-    raise AssertionError("unreachable: auto ranks the model's own weights, which always pass")
+    raise NoFormat(f"--quantize {requested}: no format keeps the model's quality on this CPU ({cpu.model_name()})")
 
 
 def _remember(cache_file, key: str, choice: Choice, about: dict) -> None:

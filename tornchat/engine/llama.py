@@ -7,6 +7,7 @@ QKV and gate/up weights, RoPE as one complex multiply over queries and keys
 together, a KV cache per slot that grows in chunks, SDPA attention.
 Weights, config and tokenizer still come from transformers' loaded model.
 """
+from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,7 +24,7 @@ CACHE_CHUNK = 256  # positions a cache grows by; kv_memory_mb measures what is a
 
 class Layer(NamedTuple):
     attn_norm: torch.Tensor
-    wqkv: quant.Weight  # packed ones for decode steps
+    wqkv: quant.Weight  # queries, keys, values stacked, each head's rows in RoPE pairs (interleave_rope_rows)
     bqkv: torch.Tensor | None  # Qwen2 has q/k/v biases
     wo: quant.Weight
     ffn_norm: torch.Tensor
@@ -33,6 +34,35 @@ class Layer(NamedTuple):
     def matrices(self) -> tuple[quant.Weight, ...]:
         return self.wqkv, self.wo, self.w13, self.w2
 
+    def packed(self, pack) -> "Layer":
+        return self._replace(wqkv=pack(self.wqkv), wo=pack(self.wo), w13=pack(self.w13), w2=pack(self.w2))
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    context_length: int
+    inv_freq: torch.Tensor  # [head_dim / 2] RoPE frequencies, scaling applied
+    rope_magnitude: float = 1.0  # YaRN-style attention scaling folded into the rotation
+
+
+@dataclass
+class LlamaWeights:
+    """One copy of the model's weights, in whatever format each matrix is stored (``quant.Weight``).
+
+    ``embed`` is anything ``quant.dequantize`` reads rows of: a plain tensor,
+    the packed output projection when the two are tied, or a GGUF tensor
+    left in the file (``weights.gguf_file``)."""
+
+    embed: object
+    layers: list[Layer]
+    final_norm: torch.Tensor
+    head: quant.Weight
+
 
 @dataclass(eq=False)  # identity: comparing caches would compare tensors
 class KVCache:
@@ -40,9 +70,8 @@ class KVCache:
     length: int = 0
 
 
-def unsupported_reason(model) -> str | None:
-    """Why this model cannot run on the lean forward, or None if it can."""
-    config = model.config
+def unsupported_reason(config) -> str | None:
+    """Why a model of this transformers config cannot run on the lean forward, or None if it can."""
     if config.model_type not in FAMILIES:
         return f"model type {config.model_type!r} is not one of {', '.join(FAMILIES)}"
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
@@ -50,7 +79,7 @@ def unsupported_reason(model) -> str | None:
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
         return "sliding-window attention"
-    rope_type = model.model.rotary_emb.rope_type
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type not in STATIC_ROPE:
         return f"RoPE type {rope_type!r}"
     return None
@@ -61,10 +90,60 @@ def interleave_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
     transformers rotates the two halves of a head; pairing them lets one
     complex multiply do RoPE. Queries and keys get the same order, so their
-    dot products, and the attention, are unchanged.
+    dot products, and the attention, are unchanged. (llama.cpp's converter
+    stores Llama GGUFs in this order already.)
     """
     rest = weight.shape[1:]
     return weight.reshape(heads, 2, -1, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def config_of(config) -> LlamaConfig:
+    """The lean forward's config from a transformers config (``unsupported_reason`` None), RoPE frequencies
+    and scaling computed by the family's own rotary embedding."""
+    import importlib
+
+    family = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+    rotary = getattr(family, type(config).__name__.removesuffix("Config") + "RotaryEmbedding")(config)  # LlamaRotaryEmbedding
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return LlamaConfig(
+        hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+        head_dim=head_dim, eps=config.rms_norm_eps, context_length=int(config.max_position_embeddings),
+        inv_freq=rotary.inv_freq.detach().float(), rope_magnitude=float(rotary.attention_scaling),
+    )
+
+
+def from_transformers(model: torch.nn.Module) -> tuple[LlamaConfig, LlamaWeights]:
+    """Config and plain weights of a transformers Llama-family model (``unsupported_reason`` None)."""
+    inner = model.model
+    spec = config_of(model.config)
+
+    def layer(block) -> Layer:
+        attn, mlp = block.self_attn, block.mlp
+        q = interleave_rope_rows(attn.q_proj.weight.detach(), spec.heads)
+        k = interleave_rope_rows(attn.k_proj.weight.detach(), spec.kv_heads)
+        bias = None
+        if attn.q_proj.bias is not None:
+            bias = torch.cat([
+                interleave_rope_rows(attn.q_proj.bias.detach(), spec.heads),
+                interleave_rope_rows(attn.k_proj.bias.detach(), spec.kv_heads),
+                attn.v_proj.bias.detach(),
+            ])
+        return Layer(
+            attn_norm=block.input_layernorm.weight.detach(),
+            wqkv=torch.cat([q, k, attn.v_proj.weight.detach()]),
+            bqkv=bias,
+            wo=attn.o_proj.weight.detach(),
+            ffn_norm=block.post_attention_layernorm.weight.detach(),
+            w13=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
+            w2=mlp.down_proj.weight.detach(),
+        )
+
+    embed, head = inner.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+    if head.data_ptr() == embed.data_ptr():  # tied: one tensor for both, which pack() keeps as one
+        embed = head
+    weights = LlamaWeights(embed=embed, layers=[layer(b) for b in inner.layers], final_norm=inner.norm.weight.detach(),
+                           head=head)
+    return spec, weights
 
 
 def packers(quantize: str, inputs: torch.dtype, group_size: int = 32):
@@ -83,107 +162,87 @@ def packers(quantize: str, inputs: torch.dtype, group_size: int = 32):
     return (int4 if quantize == "int4" else int8), int8
 
 
-class LlamaRunner:
-    """Implements ``model.Runner``. ``quantize`` picks the weights decode steps read.
+def pack(weights: LlamaWeights, quantize: str, inputs: torch.dtype = torch.bfloat16, group_size: int = 32,
+         keep: bool = False) -> LlamaWeights:
+    """Plain weights in a decode format (``QUANTIZE``), one layer at a time. Unless ``keep``, each plain
+    layer is dropped once packed, so that the model is never held twice. The embedding reads its rows from
+    the packed head where the two were the same tensor and the head's format can give rows back."""
+    if quantize not in QUANTIZE:
+        raise ValueError(f"unknown quantize mode {quantize!r} ({' | '.join(QUANTIZE)})")
+    pack_layer, pack_head = packers(quantize, inputs, group_size)
+    if pack_layer is None:
+        return weights
+    packed = []
+    for i, layer in enumerate(weights.layers):
+        packed.append(layer.packed(pack_layer))
+        if not keep:
+            weights.layers[i] = None  # the caller gives the plain weights up: free each layer once packed
+    head = pack_head(weights.head)
+    readable = quant.dequantize(head, torch.float32, torch.zeros(1, dtype=torch.long)) is not None
+    embed = head if weights.embed is weights.head and readable else weights.embed
+    return LlamaWeights(embed=embed, layers=packed, final_norm=weights.final_norm, head=head)
 
-    A decode step streams every weight once, so its speed is bytes per token.
-    ``bf16``: bf16 copies of the layer weights and the output projection
-    (``quant.to_bf16``: oneDNN's packed layout where it runs).
-    ``int8``: layer weights and output projection in int8 with a scale per row.
-    ``int4``: layer weights packed for PyTorch's int4 CPU kernel (group 32,
-    asymmetric: a Q4_1 GGUF's layers round-trip exactly), and the output
-    projection in int8 with a scale per row: on SmolLM2 an int4 head raised
-    perplexity by 8% and changed 17% of greedy choices, the int8 one neither
-    (its GGUF stores the head as Q8_0).
-    ``inputs``: the dtype the int4 and int8 kernels are fed; which one is
-    fast depends on the CPU (``engine/autotune.py`` times both).
+
+def weights_label(weights: LlamaWeights) -> str:
+    """The formats the layer matrices and the head are stored in, for logs: "int4 x 120, int8 x 30; head int8"."""
+    def name(w) -> str:
+        if isinstance(w, torch.Tensor):
+            return str(w.dtype).removeprefix("torch.")
+        return {quant.Int4Weight: "int4", quant.Int8Weight: "int8", quant.Bf16Weight: "bf16 (oneDNN)"}[type(w)]
+    counts = Counter(name(m) for layer in weights.layers for m in layer.matrices())
+    return ", ".join(f"{k} x {v}" for k, v in counts.most_common()) + f"; head {name(weights.head)}"
+
+
+class LlamaRunner:
+    """Implements ``model.Runner`` over one copy of the weights (``LlamaWeights``), in any format.
+
+    A decode step streams every weight once, so its speed is bytes per token:
+    packed formats (``pack``; or a GGUF's own blocks, ``weights.gguf_file``)
+    make it faster. ``int4``: PyTorch's int4 CPU kernel (group 32,
+    asymmetric: Q4_0, Q4_1 and Q4_K blocks map onto it exactly), ``int8``:
+    one scale per row; ``bf16``: oneDNN's packed layout where it runs. The
+    int4 and int8 kernels are fed inputs of the dtype their scales are in;
+    which one is fast depends on the CPU (``engine/autotune.py`` times both).
+
+    A prefill chunk is a matrix product, bound by arithmetic rather than by
+    bytes: from ``prefill_from`` rows up, each layer's matrices are
+    dequantized into ``prefill_dtype`` (bf16 matmuls were 4.3-4.7x faster
+    than fp32 on 512 rows with AVX-512 BF16) while that layer runs, and
+    dropped after it; shorter chunks run the decode kernels. No second copy
+    of the model is kept for prefill.
     ``kv_dtype``: the KV cache's dtype (default: the model's); a bf16 cache
-    reads half the bytes in attention over a long context. Prefill and
-    decode share the cache.
-    ``prefill_bf16``: prefill reads bf16 copies of the layer weights instead
-    of the model's own (4.3-4.7x faster 512-row matmuls on an AVX-512 BF16
-    CPU; no gain without bf16 hardware). Every prefill does, however short,
-    so a prompt's logits still do not depend on how much of it was cached.
+    reads half the bytes in attention over a long context.
     ``ops``: the small per-layer operations (``fused.py``; default: C++ on
     the CPU where built). With the C++ ones a one-token decode step runs all
     layers in one C++ call (``decode_step``), else the loop in ``_layers``.
-    All are weight-only: norms and the residual stream stay in the model's
-    dtype, and each projection's input is cast to what its kernel takes.
-
-    Prefill reads the model's own weights, or bf16 copies (``prefill_bf16``):
-    a 512-row chunk is a matrix product, bound by arithmetic rather than by
-    bytes, so the packed decode formats do not pay there.
+    Norms and the residual stream stay in fp32 (the model's dtype), and
+    each projection's input is cast to what its kernel takes.
     """
 
-    def __init__(self, model: torch.nn.Module, quantize: str = "none", inputs: torch.dtype = torch.bfloat16,
-                 kv_dtype: torch.dtype | None = None, prefill_bf16: bool = False, group_size: int = 32,
-                 ops: fused.Ops | None = None):
-        reason = unsupported_reason(model)
-        if reason:
-            raise ValueError(f"the lean forward does not support this model: {reason}")
-        if quantize not in QUANTIZE:
-            raise ValueError(f"unknown quantize mode {quantize!r} ({' | '.join(QUANTIZE)})")
-        config, inner = model.config, model.model
-        attn = inner.layers[0].self_attn
-        self.device = inner.embed_tokens.weight.device
-        self.dtype = inner.embed_tokens.weight.dtype
-        self.context_length = int(config.max_position_embeddings)
-        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = attn.head_dim
-        self.scale = attn.scaling
-        self.eps = config.rms_norm_eps
-        self.hidden = config.hidden_size
-        self.embed = inner.embed_tokens.weight.detach()
-        self.final_norm = inner.norm.weight.detach()
-        self.lm_head = model.lm_head.weight.detach()
-        self.layers = [self._fuse(layer) for layer in inner.layers]
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights, kv_dtype: torch.dtype | None = None,
+                 prefill_dtype: torch.dtype | None = None, prefill_from: int = 1, ops: fused.Ops | None = None):
+        self.config, self.weights = config, weights
+        self.layers, self.head, self.final_norm = weights.layers, weights.head, weights.final_norm
+        self.device, self.dtype = weights.final_norm.device, weights.final_norm.dtype
+        self.context_length = config.context_length
+        self.heads, self.kv_heads, self.head_dim = config.heads, config.kv_heads, config.head_dim
+        self.scale = config.head_dim ** -0.5
+        self.eps, self.hidden = config.eps, config.hidden
 
-        rope = inner.rotary_emb
         positions = torch.arange(self.context_length, dtype=torch.float32, device=self.device)
-        angles = torch.outer(positions, rope.inv_freq.float().to(self.device))
-        magnitude = torch.full_like(angles, float(rope.attention_scaling))
+        angles = torch.outer(positions, config.inv_freq.to(self.device))
+        magnitude = torch.full_like(angles, config.rope_magnitude)
         self.rope = torch.view_as_real(torch.polar(magnitude, angles)).contiguous()  # [context, head_dim / 2, (cos, sin)]
         self.ops = ops or fused.ops_for(self.device, self.dtype)
-
-        self.quantize, self.inputs = quantize, inputs
         self.kv_dtype = kv_dtype or self.dtype
-        self.decode_layers, self.decode_head = self.layers, self.lm_head
-        if self.device.type == "cpu":  # the packed kernels are CPU ones; elsewhere decode reads the model's weights
-            pack_layer, pack_head = packers(quantize, inputs, group_size)
-            if pack_layer:
-                self.decode_layers = [self._pack(layer, pack_layer) for layer in self.layers]
-                self.decode_head = pack_head(self.lm_head)
-        self.prefill_bf16 = prefill_bf16 and self.device.type == "cpu"
-        if self.prefill_bf16:  # after packing decode weights from the model's own
-            self.layers = [self._pack(layer, quant.to_bf16) for layer in self.layers]
-        self.decode_step = None  # the C++ step over decode_layers where the native ops run; None: the Python loop
+        self.prefill_dtype, self.prefill_from = prefill_dtype, prefill_from
+        self.decode_step = None  # the C++ step over the layers where the native ops run; None: the Python loop
         if self.ops is fused.NATIVE:
-            self.decode_step = fused.native_decode_step(self.decode_layers, self.heads, self.kv_heads, self.eps, self.scale)
+            self.decode_step = fused.native_decode_step(self.layers, self.heads, self.kv_heads, self.eps, self.scale)
 
-    def _fuse(self, layer) -> Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        q = interleave_rope_rows(attn.q_proj.weight.detach(), self.heads)
-        k = interleave_rope_rows(attn.k_proj.weight.detach(), self.kv_heads)
-        bias = None
-        if attn.q_proj.bias is not None:
-            bias = torch.cat([
-                interleave_rope_rows(attn.q_proj.bias.detach(), self.heads),
-                interleave_rope_rows(attn.k_proj.bias.detach(), self.kv_heads),
-                attn.v_proj.bias.detach(),
-            ])
-        return Layer(
-            attn_norm=layer.input_layernorm.weight.detach(),
-            wqkv=torch.cat([q, k, attn.v_proj.weight.detach()]),
-            bqkv=bias,
-            wo=attn.o_proj.weight.detach(),
-            ffn_norm=layer.post_attention_layernorm.weight.detach(),
-            w13=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
-            w2=mlp.down_proj.weight.detach(),
-        )
-
-    @staticmethod
-    def _pack(layer: Layer, pack) -> Layer:
-        return layer._replace(wqkv=pack(layer.wqkv), wo=pack(layer.wo), w13=pack(layer.w13), w2=pack(layer.w2))
+    def label(self) -> str:
+        prefill = f"dequantized to {self.prefill_dtype} from {self.prefill_from} rows" if self.prefill_dtype else "kernels"
+        return f"{weights_label(self.weights)}; {self.kv_dtype} cache; prefill {prefill}"
 
     def new_cache(self) -> KVCache:
         shape = (len(self.layers), 2, 0, self.kv_heads, self.head_dim)
@@ -216,33 +275,41 @@ class LlamaRunner:
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], cache: KVCache, decode: bool = False) -> torch.Tensor:
-        x = self._hidden(token_ids, cache, decode)
-        return self._logits(x[-1:], decode)[0]
+        x = self._hidden(token_ids, cache, self._weights_as(len(token_ids), decode))
+        return self._logits(x[-1:], None)[0]
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], decode: bool) -> torch.Tensor:
-        """fp32 logits [n, V] of every position of token_ids from an empty cache, through the decode
-        weights if ``decode`` (in one multi-row pass): what autotune compares formats by."""
-        return self._logits(self._hidden(token_ids, self.new_cache(), decode), decode)
+    def score(self, token_ids: list[int], mode: str) -> torch.Tensor:
+        """fp32 logits [n, V] of every position of token_ids from an empty cache, in one pass: as a prefill
+        chunk of that length computes them (``prefill``), through the decode kernels on every row
+        (``decode``), or with every matrix dequantized to fp32 (``exact``: the reference the packed formats
+        are measured against, one layer dequantized at a time)."""
+        weights_as = {"prefill": self._weights_as(len(token_ids), False), "decode": None, "exact": torch.float32}[mode]
+        return self._logits(self._hidden(token_ids, self.new_cache(), weights_as), weights_as)
 
-    def _logits(self, x: torch.Tensor, decode: bool) -> torch.Tensor:
-        head = self.decode_head if decode else self.lm_head
+    def _weights_as(self, rows: int, decode: bool) -> torch.dtype | None:
+        """The dtype a forward of this many rows dequantizes the matrices into, or None for the kernels."""
+        return self.prefill_dtype if not decode and rows >= self.prefill_from else None
+
+    def _logits(self, x: torch.Tensor, weights_as: torch.dtype | None) -> torch.Tensor:
+        head = _plain(self.head, weights_as)
         h = self.ops.rms_norm(x, self.final_norm, self.eps, quant.input_dtype(head) == torch.bfloat16)
         return quant.linear(h, head).float()
 
-    def _hidden(self, token_ids: list[int], cache: KVCache, decode: bool) -> torch.Tensor:
+    def _hidden(self, token_ids: list[int], cache: KVCache, weights_as: torch.dtype | None) -> torch.Tensor:
         """Run token_ids through the layers, appending to cache: the residual stream [n, hidden] after them."""
         n, start = len(token_ids), cache.length
         self._reserve(cache, start + n)
-        x = F.embedding(torch.tensor(token_ids, device=self.device), self.embed)
-        if decode and n == 1 and self.decode_step is not None:
+        ids = torch.tensor(token_ids, device=self.device)
+        x = quant.dequantize(self.weights.embed, self.dtype, ids)
+        if n == 1 and weights_as is None and self.decode_step is not None:
             x = self.decode_step.forward(x, cache.kv, self.rope[start : start + 1], start)  # _layers in one C++ call
         else:
-            x = self._layers(x, self.decode_layers if decode else self.layers, cache, start)
+            x = self._layers(x, cache, start, weights_as)
         cache.length = start + n
         return x
 
-    def _layers(self, x: torch.Tensor, layers: list[Layer], cache: KVCache, start: int) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, cache: KVCache, start: int, weights_as: torch.dtype | None) -> torch.Tensor:
         n, end = x.shape[0], start + x.shape[0]
         # The C++ ops save per-op overhead, which only one-row steps feel; on a prefill chunk PyTorch's
         # vectorized kernels are faster (2,000-token prefill 906 -> 1,044 tokens/s with them).
@@ -257,7 +324,8 @@ class LlamaRunner:
         if n > 1:
             positions = torch.arange(end, device=self.device)
             mask = (positions[None, :] <= positions[start:, None]).repeat(groups, 1)
-        for i, layer in enumerate(layers):
+        for i, packed in enumerate(self.layers):
+            layer = packed.packed(lambda w: _plain(w, weights_as)) if weights_as is not None else packed
             h = ops.rms_norm(x, layer.attn_norm, eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
             qkv = quant.linear(h, layer.wqkv)
             if layer.bqkv is not None:
@@ -275,3 +343,11 @@ class LlamaRunner:
             h = ops.rms_norm(x, layer.ffn_norm, eps, quant.input_dtype(layer.w13) == torch.bfloat16)
             x = x + quant.linear(ops.silu_mul(quant.linear(h, layer.w13)), layer.w2)
         return x
+
+
+def _plain(w: quant.Weight, dtype: torch.dtype | None) -> quant.Weight:
+    """w dequantized into dtype for one use, or w itself (no dtype asked, or a layout read only by its kernel)."""
+    if dtype is None:
+        return w
+    plain = quant.dequantize(w, dtype)
+    return w if plain is None else plain

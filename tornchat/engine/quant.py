@@ -15,6 +15,7 @@ AVX-512 machine without bf16 the fp32 int4 path was the fast one
 (PERF-NOTES.md). So the input dtype is a parameter, and packed weights
 store their scales in it; ``engine/autotune.py`` picks it by timing.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,53 @@ import torch.nn.functional as F
 from tornchat.engine import cpu
 
 INNER_K_TILES = 2  # the CPU packer accepts 2, 4 or 8; it only changes the layout
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """Where ``_convert_weight_to_int4pack_for_cpu`` puts each 4-bit level, which depends on the CPU's
+    instruction set (AVX-512: blocks of 64 rows; AVX2 and plain C++: 32). Each block of ``rows`` rows is
+    stored as [K, rows / 2] bytes; byte j holds rows j and j + rows / 2 (``halves``) or rows 2j and 2j + 1."""
+
+    rows: int
+    halves: bool
+
+    def fits(self, n: int) -> bool:
+        return n % self.rows == 0
+
+    def pack(self, levels: torch.Tensor) -> torch.Tensor:
+        """uint8 levels [N, K] -> the kernel's uint8 [N, K / 2]."""
+        n, k = levels.shape
+        blocks = levels.reshape(n // self.rows, self.rows, k).transpose(1, 2)  # [blocks, K, rows]
+        if self.halves:
+            low, high = blocks[..., : self.rows // 2], blocks[..., self.rows // 2 :]
+        else:
+            low, high = blocks[..., 0::2], blocks[..., 1::2]
+        return (low | (high << 4)).reshape(n, k // 2).contiguous()
+
+    def levels(self, packed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The kernel's uint8 [N, K / 2] -> uint8 levels [N, K], or only the given rows' [len(rows), K]."""
+        n, k = packed.shape[0], packed.shape[1] * 2
+        blocks = packed.reshape(n // self.rows, k, self.rows // 2)
+        if rows is None:
+            pairs = torch.stack([blocks & 0xF, blocks >> 4], dim=-2 if self.halves else -1)  # [blocks, K, 2, rows/2]
+            return pairs.reshape(n // self.rows, k, self.rows).transpose(1, 2).reshape(n, k)
+        within = rows % self.rows
+        byte = within % (self.rows // 2) if self.halves else within // 2
+        shift = 4 * (within >= self.rows // 2) if self.halves else 4 * (within % 2)
+        return (blocks[rows // self.rows, :, byte] >> shift[:, None].to(torch.uint8)) & 0xF
+
+
+@functools.cache
+def int4_layout() -> Int4Layout | None:
+    """This CPU's int4 layout, found by packing random levels with PyTorch's packer and comparing; None if
+    no known layout matches (then weights are packed by PyTorch and prefill runs the int4 kernel)."""
+    levels = torch.randint(0, 16, (128, 64), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels, INNER_K_TILES)
+    for layout in (Int4Layout(64, True), Int4Layout(32, True), Int4Layout(32, False), Int4Layout(64, False)):
+        if torch.equal(layout.pack(levels.to(torch.uint8)), packed):
+            return layout
+    return None
 
 
 @dataclass
@@ -34,6 +82,20 @@ class Int4Weight:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.scales_and_zeros.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+
+    def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The weights [N, K] (or only ``rows``) as the kernel computes them: (level - 8) * scale + zero.
+        None where this CPU's layout is not known."""
+        layout = int4_layout()
+        if layout is None or not layout.fits(self.packed.shape[0]):
+            return None
+        levels = layout.levels(self.packed, rows)
+        scales, zeros = self.scales_and_zeros.to(dtype).permute(2, 1, 0)  # [N, G] each
+        if rows is not None:
+            scales, zeros = scales[rows], zeros[rows]
+        n, k = levels.shape
+        grouped = (levels.reshape(n, -1, self.group_size).to(dtype) - 8) * scales[..., None] + zeros[..., None]
+        return grouped.reshape(n, k)
 
 
 def supports(weight: torch.Tensor, group_size: int) -> bool:
@@ -62,15 +124,38 @@ def quantize_int4(weight: torch.Tensor, group_size: int = 32, inputs: torch.dtyp
     """Pack [N, K] weights for the CPU kernel, to be fed inputs of dtype ``inputs``."""
     n, k = weight.shape
     q, scales, low = group_levels(weight, group_size)
+    return pack_int4(q.reshape(n, k), scales.reshape(n, -1), low.reshape(n, -1), inputs)
+
+
+def pack_int4(levels: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor, inputs: torch.dtype) -> Int4Weight:
+    """Levels [N, K] in 0..15 with, per group, value = level * scale + low (scales, lows [N, K / group])."""
+    n = levels.shape[0]
+    layout = int4_layout()
+    if layout is not None and layout.fits(n):
+        packed = layout.pack(levels.to(torch.uint8))
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(levels.to(torch.int32), INNER_K_TILES)
+    return int4_weight(packed, scales, lows, inputs)
+
+
+def int4_weight(packed: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor, inputs: torch.dtype) -> Int4Weight:
+    """Packed levels [N, K / 2] in the kernel's layout, with per group value = level * scale + low."""
     # The kernel computes (q - 8) * scale + zero, so the zero is the value of level 8.
-    zeros = low + 8 * scales
-    scales_and_zeros = torch.stack([scales.squeeze(-1), zeros.squeeze(-1)], dim=-1)  # [N, G, 2]
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).reshape(n, k), INNER_K_TILES)
-    return Int4Weight(
-        packed=packed,
-        scales_and_zeros=scales_and_zeros.transpose(0, 1).contiguous().to(inputs),
-        group_size=group_size,
-    )
+    scales_and_zeros = torch.stack([scales, lows + 8 * scales], dim=-1)  # [N, G, 2]
+    group_size = packed.shape[1] * 2 // scales.shape[1]
+    return Int4Weight(packed=packed, scales_and_zeros=scales_and_zeros.transpose(0, 1).contiguous().to(inputs),
+                      group_size=group_size)
+
+
+def stack_rows(weights: list["Weight"]) -> "Weight":
+    """int4 or int8 weights (of one kind) stacked by rows, as if packed as one matrix: int4 blocks of rows in
+    this CPU's layout (``Int4Layout``, each part a whole number of blocks) and int8 rows are independent."""
+    if len(weights) == 1:
+        return weights[0]
+    if isinstance(weights[0], Int4Weight):
+        return Int4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scales_and_zeros for w in weights], dim=1),
+                          weights[0].group_size)
+    return Int8Weight(torch.cat([w.values for w in weights]), torch.cat([w.scales for w in weights]))
 
 
 @dataclass
@@ -81,11 +166,23 @@ class Int8Weight:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x.to(self.scales.dtype), self.values, self.scales)
 
+    def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        values, scales = (self.values, self.scales) if rows is None else (self.values[rows], self.scales[rows])
+        return values.to(dtype) * scales.to(dtype)[:, None]
+
+
+INT8_ROWS = 4096  # rows quantized at a time: the fp32 temporaries of a 49,152-row embedding stay small
+
 
 def quantize_int8(weight: torch.Tensor, inputs: torch.dtype = torch.bfloat16) -> Int8Weight:
     """Symmetric int8 with one scale per output row, to be fed inputs of dtype ``inputs``."""
-    scales = (weight.detach().float().abs().amax(dim=1) / 127).clamp(min=1e-12)
-    values = (weight.detach().float() / scales[:, None]).round().clamp(-127, 127).to(torch.int8)
+    values = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], INT8_ROWS):
+        rows = weight[start : start + INT8_ROWS].detach().float()
+        row_scales = (rows.abs().amax(dim=1) / 127).clamp(min=1e-12)
+        values[start : start + INT8_ROWS] = (rows / row_scales[:, None]).round().clamp(-127, 127)
+        scales[start : start + INT8_ROWS] = row_scales
     return Int8Weight(values=values, scales=scales.to(inputs))
 
 
@@ -98,6 +195,7 @@ def fake_quantize_int8(weight: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Bf16Weight:
     packed: torch.Tensor  # bf16, reordered once into oneDNN's blocked layout for one-row inputs
+    shape: tuple[int, int]  # [N, K] before reordering
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [None], "")
@@ -109,10 +207,19 @@ def to_bf16(weight: torch.Tensor) -> torch.Tensor | Bf16Weight:
     weight = weight.detach().to(torch.bfloat16)
     if not cpu.packs_bf16():
         return weight
-    return Bf16Weight(packed=torch.ops.mkldnn._reorder_linear_weight(weight, 1))
+    return Bf16Weight(packed=torch.ops.mkldnn._reorder_linear_weight(weight, 1), shape=tuple(weight.shape))
 
 
 Weight = torch.Tensor | Int4Weight | Int8Weight | Bf16Weight
+
+
+def shape(w: Weight) -> tuple[int, int]:
+    """[N, K]: output and input features."""
+    if isinstance(w, Int4Weight):
+        return w.packed.shape[0], w.packed.shape[1] * 2
+    if isinstance(w, Int8Weight):
+        return tuple(w.values.shape)
+    return tuple(w.shape)
 
 
 def input_dtype(w: Weight) -> torch.dtype:
@@ -122,6 +229,25 @@ def input_dtype(w: Weight) -> torch.dtype:
     if isinstance(w, Bf16Weight):
         return torch.bfloat16
     return w.scales_and_zeros.dtype if isinstance(w, Int4Weight) else w.scales.dtype
+
+
+def dequantize(w: Weight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The plain weights [N, K] (or only ``rows``) in ``dtype`` that w computes with; None for layouts that
+    cannot be read back here (oneDNN's packed bf16, an int4 layout this CPU does not have)."""
+    if isinstance(w, torch.Tensor):
+        return (w if rows is None else w[rows]).to(dtype)
+    if isinstance(w, Bf16Weight):
+        return None
+    return w.dequantize(dtype, rows)
+
+
+def fed(w: Weight, inputs: torch.dtype) -> Weight:
+    """The same int4 or int8 weights fed inputs of another dtype (their scales cast); others as they are."""
+    if isinstance(w, Int4Weight):
+        return Int4Weight(w.packed, w.scales_and_zeros.to(inputs), w.group_size)
+    if isinstance(w, Int8Weight):
+        return Int8Weight(w.values, w.scales.to(inputs))
+    return w
 
 
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
