@@ -1,8 +1,12 @@
-"""Find, convert and load a checkpoint: HF directory, GGUF file or the embedded default.
+"""Find and load a checkpoint: HF directory, GGUF file or the embedded default.
 
-A GGUF is dequantized by transformers, which takes about a minute; the result
-is saved once as safetensors plus tokenizer files in a cache directory, so the
-next start loads in about a second.
+A Llama-family GGUF is read by our own loader (``weights.gguf_file``): its
+quantized blocks become the decode formats directly, one tensor at a time.
+Only its tokenizer goes through transformers' GGUF conversion, cached (it is
+small). transformers' own modules (``--model-impl hf``, or a GGUF of another
+architecture) need the whole model dequantized by transformers, which takes
+about a minute; that result is saved once as safetensors plus tokenizer files
+in a cache directory, so the next start loads in about a second.
 """
 import hashlib
 import importlib.util
@@ -26,9 +30,12 @@ class CheckpointError(Exception):
 
 @dataclass
 class Loaded:
-    model: torch.nn.Module
     tokenizer: object
-    source: str  # directory the weights were read from
+    source: str  # the directory or GGUF file the weights were read from
+    model: torch.nn.Module | None = None  # transformers' modules (HF directories, converted GGUFs)
+    lean: tuple | None = None  # (llama.LlamaConfig, llama.LlamaWeights) read by tornchat.weights
+    quantized: bool = False  # lean weights packed while loading (autotune's "packed" format)
+    generation_config: object = None  # transformers' GenerationConfig where the checkpoint has one
 
 
 def default_gguf_path() -> Path:
@@ -99,11 +106,13 @@ def resolve(path: str | None) -> Path:
     return target
 
 
-def fingerprint(directory: str | Path) -> str:
-    """Names, sizes and modification times of a model directory's files: a changed checkpoint differs."""
-    files = sorted(p for p in Path(directory).iterdir() if p.is_file())
+def fingerprint(source: str | Path) -> str:
+    """Names, sizes and modification times of a model directory's files (or of the one GGUF file): a changed
+    checkpoint differs."""
+    source = Path(source)
+    files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
     listing = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    return f"{Path(directory).resolve()}:" + hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
+    return f"{source.resolve()}:" + hashlib.sha256(repr(listing).encode()).hexdigest()[:16]
 
 
 def first_line(exc: BaseException) -> str:
@@ -111,8 +120,105 @@ def first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def load(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Loaded:
-    """Load model and tokenizer; every failure is a CheckpointError with one line."""
+def gguf_tokenizer(gguf: Path):
+    """The GGUF's tokenizer through transformers' conversion, saved once beside the converted models."""
+    from transformers import AutoTokenizer
+
+    target = converted_dir(gguf).with_name(converted_dir(gguf).name + "-tokenizer")
+    if (target / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(target)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # transformers raises many types for bad files
+        raise CheckpointError(f"cannot read the tokenizer of GGUF file {gguf}: {first_line(exc)}") from None
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    return tokenizer
+
+
+def load_gguf(gguf: Path, device: str, dtype: torch.dtype, dequantize: bool) -> Loaded:
+    """A Llama-family GGUF through our loader: on the CPU with its quantized blocks packed for the kernels
+    (unless ``dequantize``: fp32, for --quantize modes that pack from plain weights), elsewhere dequantized
+    into dtype on the device."""
+    from tornchat.weights import gguf_file
+
+    started = time.perf_counter()
+    on_cpu = device == "cpu"
+    try:
+        quantized = on_cpu and not dequantize and gguf_file.is_quantized(gguf)
+        config, weights = gguf_file.load(gguf, plain=None if quantized else (dtype if not on_cpu else torch.float32))
+    except gguf_file.UnsupportedFile as exc:
+        raise CheckpointError(str(exc)) from None
+    if not on_cpu:
+        weights = gguf_file.to_device(weights, device)
+    tokenizer = gguf_tokenizer(gguf)
+    log.info("loaded %s in %.1f s", gguf.name, time.perf_counter() - started)
+    return Loaded(tokenizer=tokenizer, source=str(gguf), lean=(config, weights), quantized=quantized)
+
+
+def load(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32, model_impl: str = "hf",
+         quantize: str = "auto") -> Loaded:
+    """Load model and tokenizer; every failure is a CheckpointError with one line.
+
+    Unless ``model_impl`` is hf (transformers' modules): a GGUF of the Llama
+    family loads into the lean forward's weights, its quantized blocks kept
+    packed where ``quantize`` is auto; a Llama-family Hugging Face directory
+    with ``quantize`` int4 or int8 is packed layer by layer as it is read.
+    """
+    from tornchat.weights import gguf_file
+
+    source = default_gguf_path() if not path else Path(path).expanduser()
+    if model_impl != "hf" and source.is_file() and source.suffix == ".gguf":
+        try:
+            arch = gguf_file.GGUFFile(source).arch
+        except gguf_file.UnsupportedFile as exc:
+            raise CheckpointError(str(exc)) from None
+        if arch in gguf_file.ARCHITECTURES or model_impl == "lean":
+            return load_gguf(source, device, dtype, dequantize=quantize != "auto")
+        log.info("%s is a %r model, which the lean forward does not run: converting it for transformers", source.name, arch)
+    if model_impl != "hf" and device == "cpu" and quantize in ("int4", "int8") and source.is_dir():
+        packed = load_packing(source, quantize)
+        if packed is not None:
+            return packed
+    return load_transformers(path, device, dtype)
+
+
+def load_packing(directory: Path, quantize: str) -> Loaded | None:
+    """A Llama-family safetensors checkpoint packed layer by layer (None where it is not one)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from tornchat.engine import llama
+    from tornchat.weights import safetensors_dir
+
+    if not any((directory / name).exists() for name in ("model.safetensors", "model.safetensors.index.json")):
+        return None
+    try:
+        hf_config = AutoConfig.from_pretrained(directory)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read model config in {directory}: {first_line(exc)}") from None
+    if llama.unsupported_reason(hf_config):
+        return None
+    started = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        pack_layer, pack_head = llama.packers(quantize, torch.bfloat16)
+        config, weights = safetensors_dir.load(directory, hf_config, pack_layer, pack_head)
+    except Exception as exc:
+        raise CheckpointError(f"cannot load checkpoint {directory}: {first_line(exc)}") from None
+    try:
+        generation = GenerationConfig.from_pretrained(directory)
+    except OSError:  # no generation_config.json
+        generation = None
+    log.info("loaded %s packed to %s in %.1f s", hf_config.model_type, quantize, time.perf_counter() - started)
+    return Loaded(tokenizer=tokenizer, source=str(directory), lean=(config, weights), quantized=True,
+                  generation_config=generation)
+
+
+def load_transformers(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Loaded:
+    """transformers' model and tokenizer from a HF directory (or a GGUF converted into one)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -131,4 +237,4 @@ def load(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float
         raise CheckpointError(f"cannot load checkpoint {directory}: {first_line(exc)}") from None
     model.to(device).eval()
     log.info("loaded %s in %.1f s", config.model_type, time.perf_counter() - started)
-    return Loaded(model=model, tokenizer=tokenizer, source=str(directory))
+    return Loaded(tokenizer=tokenizer, source=str(directory), model=model, generation_config=model.generation_config)

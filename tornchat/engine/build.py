@@ -25,21 +25,32 @@ def pick_device(name: str) -> str:
     return name
 
 
-def make_runner(model: torch.nn.Module, config: Config, quality_ids: list[int], checkpoint_id: str) -> Runner:
+def make_runner(loaded: checkpoint.Loaded, config: Config, quality_ids: list[int], checkpoint_id: str) -> Runner:
     """The lean forward where the family allows it (PERF-NOTES.md), else transformers' modules; on a CPU,
-    decode weights in the format --quantize asks for, timed on this machine (autotune)."""
-    reason = llama.unsupported_reason(model)
-    if config.model_impl == "hf" or (config.model_impl == "auto" and reason):
-        if config.quantize not in ("none", "auto"):
-            raise checkpoint.CheckpointError(f"--quantize {config.quantize} needs the lean forward ({reason or 'model_impl is hf'})")
-        return HFRunner(model)
-    if reason:
-        raise checkpoint.CheckpointError(f"--model-impl lean: {reason}")
-    if next(model.parameters()).device.type != "cpu" or config.quantize == "none":
-        return llama.LlamaRunner(model)  # the packed decode kernels are CPU ones
+    decode weights in the format --quantize asks for, timed on this machine (autotune). Takes the weights
+    over from ``loaded``, so that the runner holds the only copy."""
+    if loaded.lean is None:
+        model = loaded.model
+        reason = llama.unsupported_reason(model.config)
+        if config.model_impl == "hf" or (config.model_impl == "auto" and reason):
+            if config.quantize not in ("none", "auto"):
+                raise checkpoint.CheckpointError(f"--quantize {config.quantize} needs the lean forward ({reason or 'model_impl is hf'})")
+            return HFRunner(model)
+        if reason:
+            raise checkpoint.CheckpointError(f"--model-impl lean: {reason}")
+        spec, weights = llama.from_transformers(model)
+        del model  # its unfused projections; the fused copies are the weights now
+    else:
+        spec, weights = loaded.lean
+    loaded.model = loaded.lean = None
+    if weights.final_norm.device.type != "cpu" or config.quantize == "none" and not loaded.quantized:
+        return llama.LlamaRunner(spec, weights)  # the packed decode kernels are CPU ones
     cache_file = checkpoint.cache_root() / "decode-formats.json"
     try:
-        runner, _ = autotune.choose(model, config.quantize, quality_ids, cache_file, checkpoint_id)
+        # Weights packed while loading (a GGUF's blocks, a checkpoint packed layer by layer) are a format of
+        # their own: their inputs and prefill are timed, and checked for quality unless the user chose them.
+        runner, _ = autotune.choose(spec, weights, "packed" if loaded.quantized else config.quantize, quality_ids,
+                                    cache_file, checkpoint_id, gate=config.quantize == "auto")
     except autotune.NoFormat as exc:
         raise checkpoint.CheckpointError(str(exc)) from None
     return runner
@@ -72,15 +83,16 @@ def _build_on_worker(config: Config) -> Engine:
     if config.threads:
         torch.set_num_threads(config.threads)
     device = pick_device(config.device)
-    loaded = checkpoint.load(config.checkpoint_path, device=device, dtype=DTYPES[config.dtype])
-    runner = make_runner(loaded.model, config, quality_ids(loaded.tokenizer), checkpoint.fingerprint(loaded.source))
+    loaded = checkpoint.load(config.checkpoint_path, device=device, dtype=DTYPES[config.dtype],
+                             model_impl=config.model_impl, quantize=config.quantize)
+    stops = prompt.stop_token_ids(loaded.tokenizer, loaded.generation_config)
+    runner = make_runner(loaded, config, quality_ids(loaded.tokenizer), checkpoint.fingerprint(loaded.source))
     warm_up(runner)
     slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024, prompt_bytes(loaded.tokenizer))
-    stops = prompt.stop_token_ids(loaded.tokenizer, getattr(loaded.model, "generation_config", None))
     log.info(
-        "engine ready on %s (%s), %s forward, decode weights %s, %s, %d threads, %d KV slots",
+        "engine ready on %s (%s), %s forward, weights %s, %s, %d threads, %d KV slots",
         device, cpu.describe() if device == "cpu" else torch.cuda.get_device_name(), type(runner).__name__,
-        getattr(runner, "quantize", "as loaded"),
+        runner.label() if hasattr(runner, "label") else "as loaded",
         "C++ decode step" if getattr(runner, "decode_step", None) else "per-op decode steps"
         + ("" if fused.NATIVE else " (the C++ extension is not built: pip install --no-build-isolation -e .)"),
         torch.get_num_threads(), config.kv_slots,

@@ -1,0 +1,98 @@
+"""Small Llama-family GGUF files written by the tests, with each matrix in a chosen GGML type.
+
+Quantized tensors are random blocks (random levels, scales of a sensible
+size): every bit of the block layout is exercised, and the gguf package's
+own dequantizer says what values they hold.
+"""
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from tornchat.checkpoint import default_gguf_path
+from tornchat.weights import ggml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from make_gguf import tokenizer_fields  # noqa: E402  the embedded model's tokenizer and chat template
+
+# Offsets of each type's fp16 scale fields in a block (random bytes there could be inf or NaN), and the
+# largest level times sub-block scale a value can reach: the fp16 scales are drawn to keep weights about 0.1.
+SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,)}
+LARGEST = {"Q4_0": 8, "Q4_1": 15, "Q5_0": 16, "Q5_1": 31, "Q8_0": 127, "Q4_K": 15 * 63, "Q5_K": 31 * 63, "Q6_K": 32 * 127}
+
+
+def random_tensor(rng: np.random.Generator, type_name: str, rows: int, cols: int) -> np.ndarray:
+    """A [rows, cols] matrix in type_name: float values, or the raw bytes of random blocks."""
+    if type_name in ("F32", "F16"):
+        return (rng.normal(size=(rows, cols)) * 0.05).astype(np.float32 if type_name == "F32" else np.float16)
+    block = ggml.TYPES[type_name]
+    if type_name == "BF16":
+        bits = (rng.normal(size=(rows, cols)).astype(np.float32) * 0.05).view(np.uint32) >> 16
+        return bits.astype(np.uint16).view(np.uint8).reshape(rows, -1)
+    raw = rng.integers(0, 256, (rows, cols // block.values, block.bytes), dtype=np.uint8)
+    for at in SCALE_FIELDS[type_name]:
+        size = 0.1 / LARGEST.get(type_name, 16)
+        scales = rng.uniform(0.2 * size, size, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2])
+        raw[..., at : at + 2] = scales.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def file_values(array: np.ndarray, type_name: str) -> np.ndarray:
+    """What a tensor holds, by the gguf package's own dequantizer."""
+    if array.dtype != np.uint8:
+        return array.astype(np.float32)
+    return gguf.quants.dequantize(array, gguf.GGMLQuantizationType[type_name]).astype(np.float32)
+
+
+def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 2, hidden: int = 256, ffn: int = 512,
+          heads: int = 4, kv_heads: int = 2, tied: bool = True, seed: int = 0, tokenizer: bool = False) -> Path:
+    """A model file: ``types`` maps a tensor's role (q, k, v, o, gate, up, down, embed, output) to its type;
+    roles not given are F32. Qwen2 files get q/k/v biases. With ``tokenizer``, the embedded model's
+    tokenizer and its vocabulary; without, a 512-token vocabulary and no tokenizer (faster to read)."""
+    rng = np.random.default_rng(seed)
+    embedded = gguf.GGUFReader(default_gguf_path()) if tokenizer else None
+    vocab = int(embedded.fields["llama.vocab_size"].contents()) if tokenizer else 512
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_uint32(f"{arch}.block_count", layers)
+    writer.add_uint32(f"{arch}.context_length", 1024)
+    writer.add_uint32(f"{arch}.embedding_length", hidden)
+    writer.add_uint32(f"{arch}.feed_forward_length", ffn)
+    writer.add_uint32(f"{arch}.attention.head_count", heads)
+    writer.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
+    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_uint32(f"{arch}.vocab_size", vocab)
+    for key, value, vtype, sub_type in tokenizer_fields(embedded) if tokenizer else ():
+        writer.add_key_value(key, value, vtype, sub_type=sub_type)
+    head_dim = hidden // heads
+
+    def add(name: str, role: str, rows: int, cols: int):
+        type_name = types.get(role, "F32")
+        array = random_tensor(rng, type_name, rows, cols)
+        raw_dtype = None if array.dtype != np.uint8 else gguf.GGMLQuantizationType[type_name]
+        writer.add_tensor(name, array, raw_dtype=raw_dtype)
+
+    add("token_embd.weight", "embed", vocab, hidden)
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+        add(f"blk.{i}.attn_q.weight", "q", heads * head_dim, hidden)
+        add(f"blk.{i}.attn_k.weight", "k", kv_heads * head_dim, hidden)
+        add(f"blk.{i}.attn_v.weight", "v", kv_heads * head_dim, hidden)
+        if arch == "qwen2":
+            for part, size in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
+                writer.add_tensor(f"blk.{i}.attn_{part}.bias", rng.normal(0, 0.5, size * head_dim).astype(np.float32))
+        add(f"blk.{i}.attn_output.weight", "o", hidden, heads * head_dim)
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+        add(f"blk.{i}.ffn_gate.weight", "gate", ffn, hidden)
+        add(f"blk.{i}.ffn_up.weight", "up", ffn, hidden)
+        add(f"blk.{i}.ffn_down.weight", "down", hidden, ffn)
+    writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
+    if not tied:
+        add("output.weight", "output", vocab, hidden)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,0 +1,179 @@
+"""Our GGUF loader: every block type against the gguf package's dequantizer, whole files against
+transformers' own GGUF loading, and one-line errors for what it does not read."""
+import numpy as np
+import pytest
+import torch
+
+from tornchat import checkpoint
+from tornchat.engine import llama, quant
+from tornchat.weights import ggml, gguf_file
+
+import gguf_files
+
+QUANTIZED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@pytest.mark.parametrize("type_name", QUANTIZED + ["F16", "BF16", "F32"])
+def test_every_type_decodes_as_the_gguf_package_does(type_name):
+    rng = np.random.default_rng(1)
+    array = gguf_files.random_tensor(rng, type_name, 6, 512)
+    raw = torch.from_numpy(array.view(np.uint8).reshape(6, -1))
+    expected = gguf_files.file_values(array, type_name)
+    assert np.array_equal(ggml.dequantize(raw, type_name).numpy(), expected)
+    if type_name in ggml.INT4:  # levels, scales and lows give the same values, to the bit
+        levels, scales, lows = ggml.int4_levels(raw, type_name)
+        assert levels.dtype == torch.uint8 and int(levels.max()) <= 15 and scales.shape == (6, 512 // 32)
+        values = levels.reshape(6, -1, 32).float() * scales[..., None] + lows[..., None]
+        assert np.array_equal(values.reshape(6, 512).numpy(), expected)
+
+
+@pytest.mark.parametrize("type_name", ggml.INT4)
+def test_4_bit_blocks_pack_exactly_into_the_int4_kernel(type_name):
+    """Q4_0, Q4_1 and Q4_K are group-32 asymmetric int4: packed without rounding a level, the kernel computes
+    with the file's values (up to its scales' dtype: exact in fp32)."""
+    rng = np.random.default_rng(2)
+    array = gguf_files.random_tensor(rng, type_name, 128, 256)
+    expected = torch.from_numpy(gguf_files.file_values(array, type_name))
+    packed = quant.pack_int4(*ggml.int4_levels(torch.from_numpy(array), type_name), inputs=torch.float32)
+    assert quant.int4_layout() is None or torch.equal(packed.dequantize(torch.float32), expected)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(quant.linear(x, packed), x @ expected.T, atol=1e-4, rtol=1e-4)
+
+
+def test_the_header_reader_agrees_with_the_gguf_package(tmp_path):
+    import gguf
+
+    path = gguf_files.write(tmp_path / "m.gguf", {"q": "Q4_K", "v": "Q6_K", "down": "Q8_0", "embed": "Q5_0"}, tokenizer=True)
+    ours, theirs = gguf_file.GGUFFile(path), gguf.GGUFReader(path)
+    assert len(ours.tensors) == len(theirs.tensors)
+    for tensor in theirs.tensors:
+        mine = ours.tensors[tensor.name]
+        assert (mine.type_name, mine.offset, mine.nbytes) == (tensor.tensor_type.name, tensor.data_offset, tensor.n_bytes)
+        assert np.array_equal(ours.raw(tensor.name).numpy().reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1))
+    assert ours.meta("block_count") == 2 and ours.value("tokenizer.chat_template").startswith("{%")
+
+
+def hf_logits(path, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0]
+
+
+IDS = list(range(300, 340))
+MIXES = {
+    "q4_0": {m: "Q4_0" for m in MATRICES} | {"embed": "Q8_0"},
+    "q4_1+q5_1": {m: "Q4_1" for m in MATRICES} | {"down": "Q5_1", "embed": "Q4_1"},
+    "q4_k_m": {m: "Q4_K" for m in MATRICES} | {"v": "Q6_K", "down": "Q6_K", "embed": "Q6_K"},
+    "q5_k+q5_0": {m: "Q5_K" for m in MATRICES} | {"o": "Q5_0", "embed": "Q4_K"},
+    "f16": {m: "F16" for m in MATRICES} | {"embed": "BF16"},
+}
+
+
+@pytest.mark.parametrize("arch, mix, tied", [("llama", name, True) for name in MIXES] + [("llama", "q4_k_m", False),
+                                             ("qwen2", "q4_0", True)])
+def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, arch, mix, tied):
+    types = MIXES[mix] | ({"output": "Q6_K"} if not tied else {})
+    path = gguf_files.write(tmp_path / f"{arch}-{mix}.gguf", types, arch=arch, tied=tied)
+    expected = hf_logits(path, IDS)
+    config, plain = gguf_file.load(path, plain=torch.float32)  # the file's values, dequantized
+    torch.testing.assert_close(llama.LlamaRunner(config, plain).score(IDS, "exact"), expected, atol=2e-4, rtol=1e-3)
+
+    config, weights = gguf_file.load(path, inputs=torch.float32)
+    packed = llama.LlamaRunner(config, weights)
+    kinds = {type(m) for layer in weights.layers for m in layer.matrices()}
+    if mix == "f16":
+        assert kinds == {torch.Tensor}
+    elif all(types[m] in ggml.INT4 for m in MATRICES):
+        assert kinds == {quant.Int4Weight}
+    if not tied:
+        assert isinstance(weights.embed, gguf_file.FileRows)  # left in the file, memory-mapped
+    got = packed.score(IDS, "decode")
+    exact_4_bit = all(types[m] in ggml.INT4 + ("F16",) for m in MATRICES) and types["embed"] in ggml.INT4 + ("BF16",)
+    if exact_4_bit:  # every matrix packed without rounding
+        torch.testing.assert_close(got, expected, atol=2e-3, rtol=1e-3)
+        return
+    # Other types are rounded onto int8 rows, or onto int4 groups beside 4-bit parts: by half a step at most.
+    for plain_layer, layer in zip(plain.layers, weights.layers):
+        for file_values, w in zip(plain_layer.matrices(), layer.matrices()):
+            if isinstance(w, quant.Int8Weight):
+                step = file_values.abs().amax(dim=1, keepdim=True) / 127
+            else:
+                groups = file_values.reshape(file_values.shape[0], -1, 32)
+                step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, dim=1)
+            assert ((quant.dequantize(w, torch.float32) - file_values).abs() <= step / 2 * 1.01 + 1e-7).all()
+    # and the kernels compute with those rounded weights.
+    torch.testing.assert_close(got, packed.score(IDS, "exact"), atol=2e-3, rtol=1e-3)
+
+
+def test_prefill_dequantizes_the_packed_weights_one_layer_at_a_time(tmp_path):
+    path = gguf_files.write(tmp_path / "m.gguf", MIXES["q4_k_m"])
+    config, weights = gguf_file.load(path, inputs=torch.float32)
+    kernels = llama.LlamaRunner(config, weights)
+    dequantizing = llama.LlamaRunner(config, weights, prefill_dtype=torch.float32, prefill_from=16)
+    exact = kernels.score(IDS, "exact")
+    torch.testing.assert_close(dequantizing.score(IDS, "prefill"), exact, atol=0, rtol=0)
+    torch.testing.assert_close(dequantizing.score(IDS[:10], "prefill"), kernels.score(IDS[:10], "decode"), atol=0, rtol=0)
+    torch.testing.assert_close(kernels.score(IDS, "prefill"), exact, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("arch, types, message", [
+    ("gemma", {"q": "Q4_0"}, "unsupported architecture 'gemma'"),
+    ("llama", {"q": "Q2_K"}, r"tensor type Q2_K \(blk.0.attn_q.weight\)"),
+])
+def test_what_it_does_not_read_fails_with_one_line(tmp_path, arch, types, message, monkeypatch):
+    if "Q2_K" in types.values():  # gguf's writer takes raw blocks of any type; ours has no random Q2_K
+        monkeypatch.setitem(gguf_files.SCALE_FIELDS, "Q2_K", (80, 82))
+        monkeypatch.setitem(ggml.TYPES, "Q2_K", ggml.BlockType("Q2_K", 256, 84))
+        path = gguf_files.write(tmp_path / "m.gguf", types, arch=arch)
+        monkeypatch.delitem(ggml.TYPES, "Q2_K")
+    else:
+        path = gguf_files.write(tmp_path / "m.gguf", types, arch=arch)
+    with pytest.raises(checkpoint.CheckpointError, match=message) as error:
+        checkpoint.load(str(path), model_impl="lean")
+    assert "\n" not in str(error.value)
+
+
+def test_the_embedded_model_loads_without_a_conversion(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORNCHAT_CACHE", str(tmp_path))
+    loaded = checkpoint.load(None, model_impl="auto")
+    config, weights = loaded.lean
+    assert loaded.model is None and loaded.quantized and loaded.source.endswith(".gguf")
+    assert isinstance(weights.layers[0].w13, quant.Int4Weight) and weights.embed is weights.head  # Q4_1, tied
+    assert not list(tmp_path.glob("*/model.safetensors"))  # only the tokenizer was converted, and cached
+    assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
+
+
+@pytest.mark.skipif(ggml._native is None, reason="the C++ converters are not built (pip install --no-build-isolation -e .)")
+@pytest.mark.parametrize("type_name", QUANTIZED)
+def test_the_cpp_converters_are_the_references_bit_for_bit(type_name):
+    rng = np.random.default_rng(3)
+    parts = [(torch.from_numpy(gguf_files.random_tensor(rng, type_name, rows, 512)), type_name) for rows in (128, 64)]
+    values = torch.cat([ggml.dequantize(raw, type_name) for raw, _ in parts])
+    assert torch.equal(torch.cat([ggml.values(raw, type_name) for raw, _ in parts]), values)
+    native = ggml.int8_rows(parts, torch.float32)
+    reference = quant.quantize_int8(values, torch.float32)
+    assert torch.equal(native.values, reference.values) and torch.equal(native.scales, reference.scales)
+    layout = quant.int4_layout()
+    if type_name in ggml.INT4 and layout is not None:
+        native = ggml.int4_packed(parts, layout, torch.float32)
+        levels, scales, lows = (torch.cat(x) for x in zip(*(ggml.int4_levels(raw, type_name) for raw, _ in parts)))
+        reference = quant.pack_int4(levels, scales, lows, torch.float32)
+        assert torch.equal(native.packed, reference.packed)
+        assert torch.equal(native.scales_and_zeros, reference.scales_and_zeros)
+
+
+@pytest.mark.parametrize("mode", ["int4", "int8"])
+def test_a_hf_checkpoint_is_packed_layer_by_layer_as_it_is_read(tiny_checkpoint, tiny_model, mode):
+    """--quantize int4|int8 on a safetensors directory: no transformers model, no fp32 copy of the model."""
+    loaded = checkpoint.load(tiny_checkpoint, model_impl="auto", quantize=mode)
+    assert loaded.model is None and loaded.quantized
+    config, weights = loaded.lean
+    assert isinstance(weights.layers[0].w13, quant.Int4Weight if mode == "int4" else quant.Int8Weight)
+    assert weights.embed is weights.head  # tied, and int8 rows read back: one copy
+    reference_config, plain = llama.from_transformers(tiny_model)  # the same weights, packed from the model
+    expected = llama.LlamaRunner(reference_config, llama.pack(plain, mode))
+    torch.testing.assert_close(llama.LlamaRunner(config, weights).score(IDS, "decode"), expected.score(IDS, "decode"),
+                               atol=1e-5, rtol=1e-5)

@@ -1,0 +1,302 @@
+"""A Llama-family GGUF file straight into ``LlamaWeights``: quantized blocks become the decode
+formats without dequantizing the model, one tensor at a time.
+
+- Q4_0, Q4_1, Q4_K: group-32 int4, exactly (``weights.ggml.int4_levels``).
+- Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: int8 with a scale per row, from their values.
+  Inside a fused matrix whose other parts are 4-bit (Q4_K_M stores some
+  layers' value projection as Q6_K), int4 instead, so that queries, keys and
+  values stay one matrix for one kernel call; the quality check measures it.
+- F32, F16, BF16: plain fp32 tensors, packed afterwards as ``--quantize`` says.
+- An untied token embedding stays in the file, memory-mapped, and only the
+  rows a prompt looks up are decoded.
+
+Config comes from the file's metadata. Tensor bytes are read with plain
+file reads, not through the memory map, so that pages of tensors already
+converted do not stay resident: peak memory is the packed model plus one
+tensor's temporaries.
+"""
+import logging
+import math
+import mmap
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tornchat.engine import quant
+from tornchat.engine.llama import Layer, LlamaConfig, LlamaWeights, interleave_rope_rows
+from tornchat.weights import ggml
+
+log = logging.getLogger("tornchat.checkpoint")
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+class UnsupportedFile(Exception):
+    """A GGUF this loader does not read; the message is one line naming what."""
+
+
+@dataclass(frozen=True)
+class FileTensor:
+    name: str
+    type_name: str
+    rows: int  # N: output features
+    cols: int  # K: input features (the GGUF's first dimension)
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class FileRows:
+    """A matrix left in the file's layout (memory-mapped); ``quant.dequantize`` decodes the rows asked for."""
+
+    raw: torch.Tensor  # uint8 [N, row_bytes], a view of the memory map
+    type_name: str
+
+    def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+        raw = self.raw if rows is None else self.raw[rows.cpu()]
+        return ggml.dequantize(raw, self.type_name).to(device=rows.device if rows is not None else "cpu", dtype=dtype)
+
+
+# GGUF metadata value types: struct format of the scalars; 8 is a string, 9 an array.
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+STRING, ARRAY = 8, 9
+
+
+class GGUFFile:
+    """The header of a GGUF file (format version 2 or 3), read with struct from a memory map: scalar and
+    string metadata, tensor names, types, shapes and offsets. Arrays (the tokenizer's vocabulary) are
+    skipped: transformers reads them for the tokenizer. gguf's own GGUFReader builds every field as numpy
+    views, which took 9.5 s on the embedded model's 98,000 tokenizer strings; this takes milliseconds."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self._read_header()
+        except (struct.error, ValueError, OverflowError, MemoryError) as exc:  # a truncated or corrupt header
+            raise UnsupportedFile(f"cannot read GGUF file {path}: {exc}") from None
+
+    def _read_header(self) -> None:
+        from gguf import GGMLQuantizationType
+
+        path = self.path
+        with open(path, "rb") as handle:
+            # Copy-on-write, so that tensors can view it (torch wants writable memory); nothing writes to it.
+            self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.at = 4
+        if len(self.map) < 24:
+            raise ValueError("shorter than a GGUF header")
+        magic, version = self.map[:4], self._unpack("<I")
+        if magic != b"GGUF" or version not in (2, 3):
+            raise ValueError("not a GGUF file of version 2 or 3")
+        tensor_count, field_count = self._unpack("<Q"), self._unpack("<Q")
+        self.fields = {}
+        for _ in range(field_count):
+            key = self._string()
+            self.fields[key] = self._value(self._unpack("<I"))
+        infos = []
+        for _ in range(tensor_count):
+            name = self._string()
+            dims = [self._unpack("<Q") for _ in range(self._unpack("<I"))]
+            type_id, offset = self._unpack("<I"), self._unpack("<Q")
+            try:
+                type_name = GGMLQuantizationType(type_id).name
+            except ValueError:
+                type_name = f"type {type_id}"
+            infos.append((name, type_name, dims, offset))
+        alignment = int(self.fields.get("general.alignment", 32))
+        data_start = -(-self.at // alignment) * alignment
+        self.tensors = {}
+        for name, type_name, dims, offset in infos:
+            cols, rows = dims[0], math.prod(dims[1:])
+            block = ggml.TYPES.get(type_name)
+            nbytes = rows * cols // block.values * block.bytes if block else 0
+            if data_start + offset + nbytes > len(self.map):
+                raise ValueError(f"tensor {name} runs past the end of the file (truncated?)")
+            self.tensors[name] = FileTensor(name, type_name, rows, cols, data_start + offset, nbytes)
+        self.arch = self.fields.get("general.architecture")
+
+    def _unpack(self, fmt: str):
+        (value,) = struct.unpack_from(fmt, self.map, self.at)
+        self.at += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        length = self._unpack("<Q")
+        text = self.map[self.at : self.at + length].decode("utf-8", errors="replace")
+        self.at += length
+        return text
+
+    def _value(self, kind: int):
+        if kind == STRING:
+            return self._string()
+        if kind == ARRAY:
+            item, count = self._unpack("<I"), self._unpack("<Q")
+            if item in SCALARS:
+                self.at += count * struct.calcsize(SCALARS[item])
+            else:
+                for _ in range(count):
+                    self._value(item)
+            return None  # not kept: see the class docstring
+        return self._unpack(SCALARS[kind])
+
+    def value(self, key: str, default=None):
+        found = self.fields.get(key)
+        return default if found is None else found
+
+    def meta(self, key: str, default=None):
+        """An architecture key, e.g. ``meta("block_count")`` reads ``llama.block_count``."""
+        return self.value(f"{self.arch}.{key}", default)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as uint8 [N, row_bytes], read into memory of their own."""
+        t = self.tensors[name]
+        data = np.fromfile(self.path, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        return torch.from_numpy(data).reshape(t.rows, -1)
+
+    def mapped(self, name: str) -> torch.Tensor:
+        """The tensor's bytes as uint8 [N, row_bytes], a view of the file's memory map."""
+        t = self.tensors[name]
+        data = np.frombuffer(self.map, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        return torch.from_numpy(data).reshape(t.rows, -1)
+
+
+def config_of(file: GGUFFile) -> LlamaConfig:
+    if file.arch not in ARCHITECTURES:
+        raise UnsupportedFile(f"unsupported architecture {file.arch!r} in {file.path.name} "
+                              f"(the GGUF loader reads {', '.join(ARCHITECTURES)})")
+    hidden, heads = int(file.meta("embedding_length")), int(file.meta("attention.head_count"))
+    head_dim = int(file.meta("attention.key_length", hidden // heads))
+    rope_dims = int(file.meta("rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise UnsupportedFile(f"partial RoPE ({rope_dims} of {head_dim} dimensions) in {file.path.name}")
+    base = float(file.meta("rope.freq_base", 10000.0))
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    scaling = file.meta("rope.scaling.type", "none")
+    if scaling == "linear":
+        inv_freq = inv_freq / float(file.meta("rope.scaling.factor", 1.0))
+    elif scaling not in ("none", None):
+        raise UnsupportedFile(f"RoPE scaling {scaling!r} in {file.path.name}")
+    if "rope_freqs.weight" in file.tensors:  # Llama 3.1+: per-frequency divisors
+        inv_freq = inv_freq / ggml.dequantize(file.raw("rope_freqs.weight"), "F32").reshape(-1)
+    return LlamaConfig(
+        hidden=hidden, heads=heads, kv_heads=int(file.meta("attention.head_count_kv", heads)), head_dim=head_dim,
+        eps=float(file.meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        context_length=int(file.meta("context_length", 2048)), inv_freq=inv_freq,
+    )
+
+
+def _check_type(file: GGUFFile, name: str) -> str:
+    type_name = file.tensors[name].type_name
+    if type_name not in ggml.TYPES:
+        raise UnsupportedFile(f"tensor type {type_name} ({name}) in {file.path.name} is not supported "
+                              f"(supported: {', '.join(ggml.TYPES)})")
+    return type_name
+
+
+def _matrix(file: GGUFFile, names: list[str], reorder: list, inputs: torch.dtype, plain: torch.dtype | None
+            ) -> quant.Weight:
+    """Tensors stacked by rows into one weight: int4 if any part is 4-bit (the others rounded onto its
+    groups), int8 if all are other quantized types, plain fp32 if all are floats; all plain in dtype
+    ``plain`` if given. ``reorder``: a row permutation per part, or None."""
+    types = [_check_type(file, name) for name in names]
+    parts = []
+    for name, type_name, permute in zip(names, types, reorder):
+        raw = file.raw(name)
+        parts.append((permute(raw) if permute else raw, type_name))
+    if plain is not None or all(t in ggml.FLOATS for t in types):
+        return torch.cat([ggml.values(raw, t).to(plain or torch.float32) for raw, t in parts])
+    layout = quant.int4_layout()
+    if any(t in ggml.INT4 for t in types) and file.tensors[names[0]].cols % ggml.GROUP == 0:
+        if layout is None or not all(layout.fits(raw.shape[0]) for raw, _ in parts):  # PyTorch packs the whole
+            levels, scales, lows = zip(*(_levels(raw, t) for raw, t in parts))
+            return quant.pack_int4(torch.cat(levels), torch.cat(scales), torch.cat(lows), inputs)
+        if all(t in ggml.INT4 for _, t in parts):
+            return ggml.int4_packed(parts, layout, inputs)
+        return quant.stack_rows([ggml.int4_packed([(raw, t)], layout, inputs) if t in ggml.INT4
+                                 else quant.pack_int4(*_levels(raw, t), inputs) for raw, t in parts])
+    return ggml.int8_rows(parts, inputs)
+
+
+def _levels(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Levels, scales and lows of group-32 int4: the file's own for 4-bit types, else rounded from values."""
+    if type_name in ggml.INT4:
+        return ggml.int4_levels(raw, type_name)
+    values = ggml.values(raw, type_name)
+    q, scales, lows = quant.group_levels(values, ggml.GROUP)
+    n = values.shape[0]
+    return q.reshape(n, -1).to(torch.uint8), scales.reshape(n, -1), lows.reshape(n, -1)
+
+
+def _vector(file: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
+    return ggml.dequantize(file.raw(name), _check_type(file, name)).reshape(-1).to(dtype)
+
+
+def load(path: Path, inputs: torch.dtype = torch.bfloat16, plain: torch.dtype | None = None
+         ) -> tuple[LlamaConfig, LlamaWeights]:
+    """Config and weights of a Llama-family GGUF, for the CPU's kernels; ``inputs``: what the int4 and int8
+    kernels are fed (their scales' dtype). ``plain``: every tensor dequantized into this dtype instead
+    (a GPU, or --quantize modes that pack from plain weights)."""
+    started = time.perf_counter()
+    file = GGUFFile(path)
+    config = config_of(file)
+    # llama.cpp stores Llama queries and keys with each head's rows in RoPE pairs already (its converter
+    # permutes them); Qwen2 keeps transformers' halves.
+    if file.arch == "qwen2":
+        q_rows = lambda raw: interleave_rope_rows(raw, config.heads)  # noqa: E731
+        k_rows = lambda raw: interleave_rope_rows(raw, config.kv_heads)  # noqa: E731
+    else:
+        q_rows = k_rows = None
+    vector_dtype = plain or torch.float32  # norms and biases: the residual stream's dtype
+
+    def matrix(names, reorder):
+        return _matrix(file, names, reorder, inputs, plain)
+
+    layers = []
+    for i in range(int(file.meta("block_count"))):
+        blk = f"blk.{i}."
+        bias = None
+        if blk + "attn_q.bias" in file.tensors:
+            q_b, k_b, v_b = (_vector(file, blk + f"attn_{p}.bias", vector_dtype) for p in "qkv")
+            bias = torch.cat([q_rows(q_b[:, None])[:, 0] if q_rows else q_b, k_rows(k_b[:, None])[:, 0] if k_rows else k_b, v_b])
+        layers.append(Layer(
+            attn_norm=_vector(file, blk + "attn_norm.weight", vector_dtype),
+            wqkv=matrix([blk + "attn_q.weight", blk + "attn_k.weight", blk + "attn_v.weight"], [q_rows, k_rows, None]),
+            bqkv=bias,
+            wo=matrix([blk + "attn_output.weight"], [None]),
+            ffn_norm=_vector(file, blk + "ffn_norm.weight", vector_dtype),
+            w13=matrix([blk + "ffn_gate.weight", blk + "ffn_up.weight"], [None, None]),
+            w2=matrix([blk + "ffn_down.weight"], [None]),
+        ))
+    _check_type(file, "token_embd.weight")
+    if "output.weight" not in file.tensors:  # tied: the head's rows are the embedding
+        head = embed = matrix(["token_embd.weight"], [None])
+    elif plain is None:
+        head = matrix(["output.weight"], [None])
+        embed = FileRows(file.mapped("token_embd.weight"), file.tensors["token_embd.weight"].type_name)
+    else:
+        head, embed = matrix(["output.weight"], [None]), matrix(["token_embd.weight"], [None])
+    weights = LlamaWeights(embed=embed, layers=layers, final_norm=_vector(file, "output_norm.weight", vector_dtype),
+                           head=head)
+    log.info("read %s (%s, %d layers) in %.1f s", path.name, file.arch, len(layers), time.perf_counter() - started)
+    return config, weights
+
+
+def to_device(weights: LlamaWeights, device: str) -> LlamaWeights:
+    """Plain weights (``load(plain=...)``) moved to a device, the tied embedding kept one tensor."""
+    def move(t):
+        return None if t is None else t.to(device)
+    head = move(weights.head)
+    return LlamaWeights(
+        embed=head if weights.embed is weights.head else move(weights.embed),
+        layers=[Layer(*(move(t) for t in layer)) for layer in weights.layers],
+        final_norm=move(weights.final_norm), head=head,
+    )
+
+
+def is_quantized(path: Path) -> bool:
+    """Whether any matrix in the file is stored in a quantized type (else it is a float checkpoint)."""
+    return any(t.type_name not in ggml.FLOATS for t in GGUFFile(path).tensors.values() if t.rows > 1)

@@ -1,0 +1,70 @@
+"""A Hugging Face Llama-family checkpoint read tensor by tensor from its safetensors files, each layer
+packed as it is read (``--quantize int4|int8``): the whole model is never held in fp32, only the layer
+being packed."""
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from tornchat.engine import llama, quant
+from tornchat.engine.llama import Layer, LlamaConfig, LlamaWeights
+
+log = logging.getLogger("tornchat.checkpoint")
+
+
+class Tensors:
+    """Tensors by name across a checkpoint's safetensors files (one, or sharded with an index)."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        index = directory / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+        self.files = [safe_open(directory / name, framework="pt") for name in files]
+        self.where = {key: f for f in self.files for key in f.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name).float()
+
+
+def load(directory: Path, hf_config, pack_layer, pack_head) -> tuple[LlamaConfig, LlamaWeights]:
+    """Config and weights, each layer's matrices fused and packed by ``pack_layer`` as they are read, the
+    output projection by ``pack_head`` (``llama.packers``)."""
+    started = time.perf_counter()
+    config = llama.config_of(hf_config)
+    tensors = Tensors(directory)
+
+    def rows(name: str, heads: int | None = None) -> torch.Tensor:
+        t = tensors.get(name)
+        return llama.interleave_rope_rows(t, heads) if heads else t
+
+    layers = []
+    for i in range(hf_config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        bias = None
+        if p + "self_attn.q_proj.bias" in tensors:
+            bias = torch.cat([rows(p + "self_attn.q_proj.bias", config.heads), rows(p + "self_attn.k_proj.bias", config.kv_heads),
+                              rows(p + "self_attn.v_proj.bias")])
+        layers.append(Layer(
+            attn_norm=rows(p + "input_layernorm.weight"),
+            wqkv=pack_layer(torch.cat([rows(p + "self_attn.q_proj.weight", config.heads),
+                                       rows(p + "self_attn.k_proj.weight", config.kv_heads), rows(p + "self_attn.v_proj.weight")])),
+            bqkv=bias,
+            wo=pack_layer(rows(p + "self_attn.o_proj.weight")),
+            ffn_norm=rows(p + "post_attention_layernorm.weight"),
+            w13=pack_layer(torch.cat([rows(p + "mlp.gate_proj.weight"), rows(p + "mlp.up_proj.weight")])),
+            w2=pack_layer(rows(p + "mlp.down_proj.weight")),
+        ))
+    embed = rows("model.embed_tokens.weight")
+    tied = "lm_head.weight" not in tensors or getattr(hf_config, "tie_word_embeddings", False)
+    head = pack_head(embed if tied else rows("lm_head.weight"))
+    if tied and quant.dequantize(head, torch.float32, torch.zeros(1, dtype=torch.long)) is not None:
+        embed = head  # one copy: the packed head's rows are the embedding
+    weights = LlamaWeights(embed=embed, layers=layers, final_norm=rows("model.norm.weight"), head=head)
+    log.info("read %s layer by layer, packed, in %.1f s", directory, time.perf_counter() - started)
+    return config, weights
