@@ -1,13 +1,12 @@
-"""Decode and prefill speed of each decode format, side by side in one process, against llama.cpp.
+"""Decode and prefill speed of a GGUF's packed blocks, side by side in one process, against llama.cpp.
 
-Rows: transformers' modules; the lean forward on the model's own weights;
-each --quantize format (int4 and int8 fed bf16 inputs; the fp32-input paths
-are 10-30x slower on every CPU measured so far, and autotune's log shows
-them); the format `--quantize auto` picks on this machine (timed afresh);
-that format with the PyTorch reference ops instead of the C++ fused ones
-(the fused-ops lever), and with the C++ ops called from the Python layer
-loop instead of the C++ decode step; and llama.cpp on the same GGUF when llama-cpp-python
-is installed. For each: greedy decode tokens/s after a short chat prompt and
+Rows: the file dequantized to fp32 (the reference; --no-reference skips it
+for large models); what `--quantize auto` makes of the file on this machine
+(its quantized blocks as int4 and int8, timed afresh); that with the PyTorch
+reference ops instead of the C++ fused ones (the fused-ops lever), and with
+the C++ ops called from the Python layer loop instead of the C++ decode
+step; with --formats, each --quantize format packed from the fp32 values;
+and llama.cpp on the same file when llama-cpp-python is installed. For each: greedy decode tokens/s after a short chat prompt and
 after a ~2,000-token one, and prefill tokens/s of that prompt (in the
 engine's 512-token chunks). Runners take turns round by round, so load from
 other processes hits all of them alike; the table gives the median and the
@@ -15,9 +14,9 @@ best round. Then where a decode step of the auto format goes (matmuls,
 attention, and the rest: eager-op overhead), with each set of ops. Then the
 quality of each format: per-position greedy agreement with fp32 (both fed
 fp32's choice) over fixed prompts, and perplexity on a fixed text, both
-through the decode weights.
+through the decode weights, against the dequantized file.
 
-    python bench/decode_speed.py [--threads 2] [--steps 64] [--rounds 3]
+    python bench/decode_speed.py [--checkpoint-path FILE.gguf] [--threads 2] [--steps 64] [--rounds 3]
 """
 import argparse
 import importlib.util
@@ -32,7 +31,8 @@ import torch
 from tornchat import checkpoint
 from tornchat.engine import autotune, build, fused, llama
 from tornchat.engine.cpu import describe
-from tornchat.engine.model import PREFILL_CHUNK, HFRunner
+from tornchat.engine.model import PREFILL_CHUNK
+from tornchat.weights import gguf_file
 
 MATMULS = ("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
 ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math")
@@ -70,12 +70,12 @@ def prefill_rate(runner, tokens: list[int]) -> float:
 class LlamaCpp:
     """llama.cpp through llama-cpp-python, with the calls decode_rate and prefill_rate make."""
 
-    def __init__(self, threads: int):
+    def __init__(self, path: Path, threads: int):
         import numpy as np
         from llama_cpp import Llama
 
         self.np = np
-        self.llm = Llama(model_path=str(checkpoint.default_gguf_path()), n_ctx=4096, n_batch=PREFILL_CHUNK,
+        self.llm = Llama(model_path=str(path), n_ctx=4096, n_batch=PREFILL_CHUNK,
                          n_threads=threads, n_threads_batch=threads, verbose=False)
 
     def new_cache(self):
@@ -129,35 +129,43 @@ def step_breakdown(runner, prompt: list[int], steps: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint-path", help="a GGUF file (default: the embedded model)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=64, help="decode steps per measurement")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ppl-tokens", type=int, default=256, help="tokens of the perplexity text")
+    parser.add_argument("--no-reference", action="store_true", help="skip the fp32 reference (4 bytes per weight)")
+    parser.add_argument("--formats", action="store_true", help="also each --quantize format packed from fp32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    print(f"CPU: {describe()}")
-    loaded = checkpoint.load(None)
-    tokenizer, model = loaded.tokenizer, loaded.model
+    path = Path(args.checkpoint_path) if args.checkpoint_path else checkpoint.default_gguf_path()
+    print(f"CPU: {describe()}\nmodel: {path.name}")
+    loaded = checkpoint.load(str(path), model_impl="lean")
+    tokenizer, (config, weights) = loaded.tokenizer, loaded.lean
     with tempfile.TemporaryDirectory() as fresh:  # time the formats afresh, whatever an earlier start cached
-        auto, choice = autotune.choose(model, "auto", build.quality_ids(tokenizer), Path(fresh) / "d.json", "bench")
-    print(f"auto picks {choice.format.label()}; whole decode steps, ms: {choice.step_ms}; one-layer estimates, "
-          f"ms: {choice.estimate_ms}; quality {choice.quality}")
-    auto_loop = choice.format.runner(model)
+        auto, choice = autotune.choose(config, weights, "packed", build.quality_ids(tokenizer), Path(fresh) / "d.json",
+                                       "bench", gate=True)
+    print(f"auto picks {choice.format.label()} over {llama.weights_label(auto.weights)}; whole decode steps, ms: "
+          f"{choice.step_ms}; quality {choice.quality}")
+    auto_loop = choice.format.runner(config, weights)
     auto_loop.decode_step = None  # the C++ ops, called from the Python loop
-    auto_reference_ops = choice.format.runner(model, ops=fused.REFERENCE)
-    runners = {
-        "hf fp32": HFRunner(model),
-        "lean fp32": llama.LlamaRunner(model),
-        "lean bf16": llama.LlamaRunner(model, quantize="bf16"),
-        "lean int8 (bf16 inputs)": llama.LlamaRunner(model, quantize="int8"),
-        "lean int4, int8 head (bf16 inputs)": llama.LlamaRunner(model, quantize="int4"),
+    auto_reference_ops = llama.LlamaRunner(config, auto.weights, auto.kv_dtype, auto.prefill_dtype, auto.prefill_from,
+                                           ops=fused.REFERENCE)
+    runners = {}
+    if not args.no_reference or args.formats:
+        runners["fp32 (the file dequantized)"] = llama.LlamaRunner(*gguf_file.load(path, plain=torch.float32))
+    runners |= {
         f"auto: {choice.format.label()}": auto,
         "auto, C++ ops from the Python loop": auto_loop,
         "auto, PyTorch reference ops": auto_reference_ops,
     }
+    if args.formats:
+        for mode in ("bf16", "int8", "int4"):
+            config_, plain = gguf_file.load(path, plain=torch.float32)
+            runners[f"{mode} from fp32 (bf16 inputs)"] = llama.LlamaRunner(config_, llama.pack(plain, mode))
     if importlib.util.find_spec("llama_cpp"):
-        runners["llama.cpp (Q4_1 GGUF)"] = LlamaCpp(args.threads)
+        runners[f"llama.cpp ({path.name})"] = LlamaCpp(path, args.threads)
     else:
         print("llama.cpp: not installed, skipped (pip install --no-build-isolation -e '.[llamacpp]')")
     prompt = chat_ids(tokenizer, PROMPTS[1])
@@ -175,19 +183,20 @@ def main() -> None:
             decode_long[name].append(decode_rate(runner, long_prompt, args.steps))
             prefill[name].append(prefill_rate(runner, long_prompt))
 
-    base_decode, base_prefill = statistics.median(decode["hf fp32"]), statistics.median(prefill["hf fp32"])
-    llama_cpp = max(decode.get("llama.cpp (Q4_1 GGUF)", [0]))
-    print(f"\nCPU: {describe()}; {torch.get_num_threads()} threads; median and best of {args.rounds} rounds")
-    print("| forward | decode tok/s, median (best) | vs hf | best vs llama.cpp's best | decode tok/s at 2,000 tokens "
-          "| prefill tok/s (2,000 tokens) | vs hf |")
-    print("|---|---|---|---|---|---|---|")
+    llama_cpp = max(decode.get(f"llama.cpp ({path.name})", [0]))
+    llama_cpp_prefill = max(prefill.get(f"llama.cpp ({path.name})", [0]))
+    print(f"\nCPU: {describe()}; {torch.get_num_threads()} threads; {path.name}; median and best of {args.rounds} rounds")
+    print("| forward | decode tok/s, median (best) | best vs llama.cpp's best | decode tok/s at 2,000 tokens "
+          "| prefill tok/s (2,000 tokens), median (best) | best vs llama.cpp's best |")
+    print("|---|---|---|---|---|---|")
     for name in runners:
         d, dl, p = (statistics.median(rates[name]) for rates in (decode, decode_long, prefill))
         versus = f"{max(decode[name]) / llama_cpp:.2f}x" if llama_cpp else "-"
-        print(f"| {name} | {d:.1f} ({max(decode[name]):.1f}) | {d / base_decode:.2f}x | {versus} | {dl:.1f} | {p:.0f} "
-              f"| {p / base_prefill:.2f}x |")
+        versus_prefill = f"{max(prefill[name]) / llama_cpp_prefill:.2f}x" if llama_cpp_prefill else "-"
+        print(f"| {name} | {d:.1f} ({max(decode[name]):.1f}) | {versus} | {dl:.1f} | {p:.0f} ({max(prefill[name]):.0f}) "
+              f"| {versus_prefill} |")
 
-    print(f"\nWhere a decode step of the auto format goes, ms (short prompt; kernel times from torch.profiler):")
+    print("\nWhere a decode step of the auto format goes, ms (short prompt; kernel times from torch.profiler):")
     print("| ops | step | matmuls | attention | rest: per-op overhead | overhead share |")
     print("|---|---|---|---|---|---|")
     for name, runner in (("C++ decode step", auto), ("C++ ops, Python loop", auto_loop),
@@ -196,13 +205,15 @@ def main() -> None:
         print(f"| {name} | {parts['wall']:.2f} | {parts['matmul']:.2f} | {parts['attention']:.2f} | {parts['other']:.2f} "
               f"| {parts['other'] / parts['wall']:.0%} |")
 
+    reference = runners.get("fp32 (the file dequantized)")
+    if reference is None:
+        return
     prompts = [chat_ids(tokenizer, text) for text in PROMPTS]
     text_ids = tokenizer(open(__file__).read())["input_ids"][: args.ppl_tokens]
-    reference = runners["lean fp32"]
     ppl_fp32 = decode_perplexity(reference, text_ids)
-    print(f"quality vs lean fp32 (greedy agreement over {len(prompts)} prompts x 32 positions, both fed fp32's "
-          f"choice; perplexity of {len(text_ids)} tokens of this file fed as decode steps: fp32 {ppl_fp32:.3f})")
-    for name in ("lean bf16", "lean int8 (bf16 inputs)", "lean int4, int8 head (bf16 inputs)"):
+    print(f"\nquality vs the file dequantized to fp32 (greedy agreement over {len(prompts)} prompts x 32 positions, both "
+          f"fed fp32's choice; perplexity of {len(text_ids)} tokens of this file fed as decode steps: fp32 {ppl_fp32:.3f})")
+    for name in [n for n in runners if n != "fp32 (the file dequantized)" and not n.startswith(("llama.cpp", "auto,"))]:
         agreement = greedy_agreement(reference, runners[name], prompts, 32)
         ppl = decode_perplexity(runners[name], text_ids)
         print(f"| {name} | agreement {agreement:.1%} | perplexity {ppl:.3f} ({ppl / ppl_fp32 - 1:+.2%}) |")

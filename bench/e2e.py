@@ -59,12 +59,13 @@ class System:
     env: dict = field(default_factory=dict)
 
 
-def tornchat_systems(threads: int, port: int) -> list[System]:
+def tornchat_systems(threads: int, port: int, model: Path) -> list[System]:
     """tornchat with its defaults, then the before/after rows: each decode-weight format (--quantize),
     and transformers' own modules in fp32."""
     from tornchat.config import Config
 
-    base = [sys.executable, "-m", "tornchat", "serve", "--port", str(port), "--threads", str(threads)]
+    base = [sys.executable, "-m", "tornchat", "serve", "--port", str(port), "--threads", str(threads),
+            "--checkpoint-path", str(model)]
     defaults = Config()
     variants = [("tornchat", [])]
     variants += [(f"tornchat-{mode}", ["--quantize", mode]) for mode in ("int4", "int8", "bf16", "none")]
@@ -80,26 +81,25 @@ def tornchat_systems(threads: int, port: int) -> list[System]:
     return systems
 
 
-def baseline_system(threads: int, port: int) -> System:
+def baseline_system(threads: int, port: int, model: Path) -> System:
     script = str(Path(__file__).resolve().parent / "baseline_server.py")
-    command = [sys.executable, script, "--port", str(port), "--threads", str(threads)]
+    command = [sys.executable, script, "--port", str(port), "--threads", str(threads), "--checkpoint-path", str(model)]
     return System("baseline", "transformers generate per request (reference)", command, "baseline", "/health")
 
 
-def llamacpp_system(threads: int, port: int) -> System:
-    gguf = str(checkpoint.default_gguf_path())
+def llamacpp_system(threads: int, port: int, model: Path) -> System:
     command = [
-        sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
         "--chat_format", "chatml",
     ]
     skip = None if importlib.util.find_spec("llama_cpp") else "not installed: pip install --no-build-isolation -e '.[llamacpp]'"
-    return System("llamacpp", f"llama.cpp server (llama-cpp-python {version('llama_cpp_python')}, Q4_1 GGUF)",
+    return System("llamacpp", f"llama.cpp server (llama-cpp-python {version('llama_cpp_python')}, {model.name})",
                   command, "smollm2", "/v1/models", skip=skip)
 
 
-def transformers_serve_system(threads: int, port: int) -> System:
-    directory = str(checkpoint.resolve(None))
+def transformers_serve_system(threads: int, port: int, model: Path) -> System:
+    directory = str(checkpoint.resolve(str(model)))
     command = [str(Path(sys.executable).with_name("transformers")), "serve", directory,
                "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32"]
     missing = [name for name in ("fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
@@ -110,10 +110,10 @@ def transformers_serve_system(threads: int, port: int) -> System:
 
 SYSTEM_BUILDERS = {
     "tornchat": tornchat_systems,
-    "tornchat-defaults": lambda threads, port: tornchat_systems(threads, port)[:1],
-    "baseline": lambda threads, port: [baseline_system(threads, port)],
-    "llamacpp": lambda threads, port: [llamacpp_system(threads, port)],
-    "transformers-serve": lambda threads, port: [transformers_serve_system(threads, port)],
+    "tornchat-defaults": lambda threads, port, model: tornchat_systems(threads, port, model)[:1],
+    "baseline": lambda threads, port, model: [baseline_system(threads, port, model)],
+    "llamacpp": lambda threads, port, model: [llamacpp_system(threads, port, model)],
+    "transformers-serve": lambda threads, port, model: [transformers_serve_system(threads, port, model)],
 }
 
 
@@ -340,8 +340,8 @@ def markdown(report: dict) -> str:
         f"Packages: {', '.join(f'{k} {v}' for k, v in m['packages'].items())}; tornchat at "
         f"`{m.get('tornchat_commit', 'unknown')}`.",
         "",
-        f"Model: SmolLM2-135M-Instruct (embedded Q4_1 GGUF; the transformers-based systems load it dequantized "
-        f"to fp32). Each system is a real server on loopback, driven one at a time through the openai SDK "
+        f"Model: {s.get('model', 'SmolLM2-135M-Instruct.Q4_1.gguf')} (the transformers-based systems load it "
+        f"dequantized to fp32). Each system is a real server on loopback, driven one at a time through the openai SDK "
         f"with `stream=True`, greedy (temperature 0), after one tiny warm-up request. Short prompt: "
         f"{s['short_max_tokens']} new tokens at most, medians over {s['short_repeats']} prompts on different topics. Chat: {s['turns']} turns, each resending the whole "
         f"history plus a ~{s['user_tokens']}-token user message, {s['turn_max_tokens']} new tokens at most "
@@ -454,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"tornchat's first row alone)")
     p.add_argument("--quick", action="store_true", help="fewer turns and tokens, for a smoke run")
     p.add_argument("--threads", type=int, default=2, help="threads for every server (default 2)")
+    p.add_argument("--checkpoint-path", help="a GGUF file every system serves (default: the embedded model)")
     args = p.parse_args(argv)
+    model = Path(args.checkpoint_path) if args.checkpoint_path else checkpoint.default_gguf_path()
     # Turn kill into an exception, so the finally blocks stop the server being measured.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wanted = [name.strip() for name in args.systems.split(",") if name.strip()]
@@ -462,21 +464,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown systems {', '.join(unknown)}; choose from {', '.join(SYSTEM_BUILDERS)}")
 
-    from transformers import AutoTokenizer
 
     workload = workloads.QUICK if args.quick else workloads.FULL
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint.resolve(None))
+    tokenizer = checkpoint.gguf_tokenizer(model)
     user_messages = workloads.chat_user_messages(workload, tokenizer)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     report = {
         "started": datetime.now().isoformat(timespec="seconds"),
         "machine": machine(args.threads),
-        "settings": {**dataclasses.asdict(workload), "quick": args.quick, "systems": wanted},
+        "settings": {**dataclasses.asdict(workload), "quick": args.quick, "systems": wanted, "model": model.name},
         "systems": {},
     }
     print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, {args.threads} threads", flush=True)
     for builder in wanted:
-        for system in SYSTEM_BUILDERS[builder](args.threads, free_port()):
+        for system in SYSTEM_BUILDERS[builder](args.threads, free_port(), model):
             entry = report["systems"][system.name] = {"label": system.label, "command": system.command}
             if system.skip:
                 print(f"[{system.name}] skipped: {system.skip}", flush=True)

