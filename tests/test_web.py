@@ -12,15 +12,19 @@ LONG = "Write a long story about a dragon who learns to cook."
 HOSTILE = '<img src=x onerror="window.pwned=1"><script>window.pwned=2</script><b>not bold</b> &amp;'
 
 
+# The real SmolLM2, so replies read like replies; --quantize none skips timing the decode formats at start.
+FAST_START = ("--quantize", "none")
+
+
 @pytest.fixture(scope="module")
 def server():
-    with servers.running() as running:
+    with servers.running(*FAST_START) as running:
         yield running
 
 
 @pytest.fixture(scope="module")
 def keyed_server():
-    with servers.running("--api-key", KEY) as running:
+    with servers.running(*FAST_START, "--api-key", KEY) as running:
         yield running
 
 
@@ -59,7 +63,7 @@ def test_page_is_open_but_the_api_is_not(keyed_server):
 
 
 def test_no_web_ui_turns_the_page_off(tiny_checkpoint):
-    with servers.running("--checkpoint-path", tiny_checkpoint, "--no-web-ui") as off:
+    with servers.running(*FAST_START, "--checkpoint-path", tiny_checkpoint, "--no-web-ui") as off:
         assert servers.request(off.url, "GET", "/").status == 404
         assert servers.request(off.url, "GET", "/web/chat.js").status == 404
         assert "/" not in servers.request(off.url, "GET", "/openapi.json").json()["paths"]
@@ -183,7 +187,9 @@ def test_conversations_new_rename_delete(chromium, server):
         titles = page.locator("#conversations .open")
         assert titles.all_inner_texts() == ["Second conversation", "First conversation"]
 
-        page.locator("#conversations li").nth(1).locator(".rename").click()
+        other = page.locator("#conversations li").nth(1)
+        other.hover()  # Rename and Delete show on the current conversation and under the pointer
+        other.locator(".rename").click()
         page.fill("#conversations .rename-field", "Renamed")
         page.press("#conversations .rename-field", "Enter")
         page.reload()
@@ -208,7 +214,7 @@ def test_tool_calls_show_as_calls(chromium, server):
         tab.setting("tools", json.dumps([weather]))
         tab.setting("tool_choice", "get_weather")
         tab.setting("temperature", "0")
-        tab.setting("max_tokens", "40")
+        tab.setting("max_tokens", "24")
         tab.send("What is the weather in Paris?")
         tab.wait_idle()
         call = tab.reply().locator(".call")

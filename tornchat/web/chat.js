@@ -205,19 +205,19 @@
   }
 
   function startEdit(view, conversation, index) {
-    if (state.generation) return;
     const field = make("textarea", "edit-field");
     field.value = conversation.messages[index].content;
     field.rows = Math.min(10, field.value.split("\n").length + 1);
     const resend = button("Send", () => {
-      if (!field.value.trim()) return;
+      const options = field.value.trim() && readyToSend();
+      if (!options) return;
       // Everything after the edited message is dropped; the prefix before it is
       // the same, so the server takes it from the KV cache (see "cached").
       conversation.messages = conversation.messages.slice(0, index);
       conversation.messages.push({ role: "user", content: field.value });
       save();
       renderMessages();
-      generate(conversation);
+      generate(conversation, options);
     }, "resend");
     const cancel = button("Cancel", renderMessages, "cancel");
     view.querySelector(".body").replaceChildren(field, resend, cancel);
@@ -330,16 +330,33 @@
 
   // ---- generation -------------------------------------------------------------------------
 
+  // The request fields from the settings, or null (the problem shown, nothing sent, the text kept).
+  function readyToSend() {
+    if (state.generation) return null;
+    if (AUTH !== "none" && !credential()) {
+      askForKey();
+      return null;
+    }
+    try {
+      showError("");
+      return requestOptions();
+    } catch (error) {
+      showError(error.message);
+      return null;
+    }
+  }
+
   function send() {
     const text = ui.input.value;
-    if (!text.trim() || state.generation) return;
+    const options = text.trim() && readyToSend();
+    if (!options) return;
     const conversation = current();
     if (!conversation.messages.length) conversation.title = text.trim().split("\n")[0].slice(0, 40);
     conversation.messages.push({ role: "user", content: text });
     ui.input.value = "";
     save();
     renderAll();
-    generate(conversation);
+    generate(conversation, options);
   }
 
   function setGenerating(on) {
@@ -348,19 +365,7 @@
     document.body.classList.toggle("generating", on);
   }
 
-  async function generate(conversation) {
-    showError("");
-    let options;
-    try {
-      options = requestOptions();
-    } catch (error) {
-      showError(error.message);
-      return;
-    }
-    if (AUTH !== "none" && !credential()) {
-      askForKey();
-      return;
-    }
+  async function generate(conversation, options) {
     const reply = { role: "assistant", content: "", stats: {} };
     const body = { model: MODEL, messages: apiMessages(conversation), stream: true, stream_options: { include_usage: true }, ...options };
     conversation.messages.push(reply);
@@ -402,7 +407,8 @@
         if (chunk.usage) Object.assign(reply.stats, usageStats(chunk.usage));
         const choice = chunk.choices && chunk.choices[0];
         if (!choice) continue;
-        if (applyDelta(reply, choice.delta || {}, choice.logprobs)) {
+        const delta = choice.delta || {};
+        if (applyDelta(reply, delta, choice.logprobs || delta.logprobs)) {
           const now = performance.now();
           if (timing.first === null) {
             timing.first = now;
