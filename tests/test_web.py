@@ -96,6 +96,13 @@ def test_reply_streams_and_stop_cancels_on_the_server(chromium, server):
         for _ in range(3):
             sizes.append(browser.wait_until(lambda: (n := len(reply.inner_text())) > sizes[-1] and n, what="more text"))
         assert "streaming" in reply.get_attribute("class") and page.is_visible("#stop")
+        # Away to a new conversation and back: the reply keeps streaming into its own place.
+        page.click("#new-chat")
+        assert page.locator("#messages .message").count() == 0
+        page.locator("#conversations .open").nth(1).click()
+        assert page.locator("#messages .message.assistant").count() == 1
+        at_return = len(reply.inner_text())
+        browser.wait_until(lambda: len(reply.inner_text()) > at_return, what="growth after switching back")
         page.click("#stop")
         tab.wait_idle()
         assert "finish: stopped" in reply.locator(".stats").inner_text()
@@ -147,7 +154,8 @@ def test_markup_in_messages_and_replies_is_text(chromium, server):
         "id": "stored", "title": "Earlier <b>chat</b>",
         "messages": [
             {"role": "user", "content": "show me"},
-            {"role": "assistant", "content": f"**bold** and `{HOSTILE}`\n\n- one *item*\n- two\n\n```html\n{HOSTILE}\n```\n\n{HOSTILE}",
+            {"role": "assistant", "content": f"**bold** and `{HOSTILE}`\n\n- one *item*\n- two\n\n```html\n{HOSTILE}\n```\n\n{HOSTILE}\n\n"
+                        "## See [the docs](https://example.com/a) or [this](javascript:window.pwned=3)",
              "stats": {"finish_reason": "stop"}},
         ],
     }]
@@ -164,6 +172,10 @@ def test_markup_in_messages_and_replies_is_text(chromium, server):
         assert reply.locator("p code").inner_text() == HOSTILE
         assert HOSTILE in reply.locator("p").last.inner_text()
         assert page.inner_text("#conversations li.current .open") == "Earlier <b>chat</b>"
+        heading = reply.locator("h4")
+        assert heading.locator("a").count() == 1, "only http(s) links become links"
+        assert heading.locator("a").get_attribute("href") == "https://example.com/a"
+        assert "[this](javascript:window.pwned=3)" in heading.inner_text()
 
         tab.setting("max_tokens", "4")
         tab.send(HOSTILE)
@@ -236,14 +248,18 @@ def test_page_with_api_key(chromium, keyed_server, tmp_path):
         assert not page.is_visible("#key-dialog")
         tab.setting("temperature", "0")
         tab.setting("max_tokens", "48")
-        tab.send("What is the capital of France? Answer in one sentence.")
+        tab.send("List three fruits as a markdown list.")
         tab.wait_idle()
         assert tab.reply().locator(".reply-error").count() == 0
         assert "finish: " in tab.reply().locator(".stats").inner_text() and tab.reply().locator(".body").inner_text()
         assert page.evaluate("sessionStorage.getItem('tornchat.credential')") == KEY
         stored = page.evaluate("JSON.stringify(Object.assign({}, localStorage))")
         assert KEY not in stored, "the key stays in sessionStorage"
-        tab.setting("top_k", "40")
+        tab.setting("max_tokens", "24")
+        tab.send("Which one is yellow?")
+        tab.wait_idle()
+        prompt = tab.reply().locator(".prompt").inner_text()
+        assert int(prompt.split("(")[1].split()[0]) > 0, "the second turn starts from the first one's KV cache"
         browser.screenshot(tab, tmp_path, "web-ui.png")
         assert tab.errors == []
 

@@ -332,7 +332,10 @@
 
   // The request fields from the settings, or null (the problem shown, nothing sent, the text kept).
   function readyToSend() {
-    if (state.generation) return null;
+    if (state.generation) {
+      showError("A reply is still being generated: wait for it, or press Stop.");
+      return null;
+    }
     if (AUTH !== "none" && !credential()) {
       askForKey();
       return null;
@@ -372,14 +375,16 @@
     const controller = new AbortController();
     state.generation = { controller, conversation };
     setGenerating(true);
-    let view = null;
+    const index = conversation.messages.length - 1;
+    // The reply's element, found afresh each time: switching conversations re-renders the list.
     const update = () => {
       if (state.currentId !== conversation.id) return;
-      if (!view || !view.isConnected) {
-        view = messageView(conversation, reply, conversation.messages.length - 1);
-        view.classList.add("streaming");
+      let view = ui.messages.querySelector(`.message[data-index="${index}"]`);
+      if (!view) {
+        view = messageView(conversation, reply, index);
         ui.messages.append(view);
       }
+      view.classList.toggle("streaming", state.generation !== null);
       const atBottom = ui.messages.scrollHeight - ui.messages.scrollTop - ui.messages.clientHeight < 40;
       fillBody(view, reply);
       if (atBottom) ui.messages.scrollTop = ui.messages.scrollHeight;
@@ -432,7 +437,6 @@
       if (reply.stats.completion_tokens === undefined && timing.pieces) reply.stats.completion_tokens = timing.pieces;
       state.generation = null;
       setGenerating(false);
-      if (view) view.classList.remove("streaming");
       update();
       save();
     }
