@@ -273,3 +273,29 @@ def test_page_with_api_key(chromium, keyed_server, tmp_path):
         assert "401" in tab.reply().locator(".reply-error").inner_text()
         assert page.evaluate("sessionStorage.getItem('tornchat.credential')") is None
         assert all("401" in error for error in tab.errors), tab.errors
+
+
+def test_page_with_basic_credentials(chromium, tiny_checkpoint):
+    login = "ana:pä ss:word"  # not Latin-1, and a colon in the password
+    with servers.running(*FAST_START, "--checkpoint-path", tiny_checkpoint, "--api-auth", login) as server:
+        with browser.tab(chromium, server.url) as tab:
+            page = tab.page
+            page.wait_for_selector("#key-dialog[open]")
+            assert "user:password" in page.inner_text("#key-prompt")
+            page.fill("#key-input", login)
+            page.press("#key-input", "Enter")
+            tab.setting("max_tokens", "4")
+            tab.send("Hello")
+            tab.wait_idle()
+            assert tab.reply().locator(".finish").inner_text() == "finish: length"
+            assert tab.errors == []
+
+        # A refused login comes back to the page's own dialog, not the browser's password prompt.
+        with browser.tab(chromium, server.url) as tab:
+            page = tab.page
+            page.fill("#key-input", "ana:wrong")
+            page.press("#key-input", "Enter")
+            tab.send("Hello")
+            page.wait_for_selector("#key-dialog[open]", timeout=20_000)
+            assert "refused" in page.inner_text("#key-prompt")
+            assert all("401" in error for error in tab.errors), tab.errors

@@ -194,8 +194,9 @@
           row.append(make("code", "", JSON.stringify(alt.token)), make("span", "", ` ${(100 * Math.exp(alt.logprob)).toFixed(1)}%`));
           return row;
         });
-        detail.replaceChildren(make("div", "", `${JSON.stringify(entry.token)}: ${(100 * p).toFixed(1)}%`), make("ol", "", undefined));
-        detail.lastChild.append(...rows);
+        const list = make("ol");
+        list.append(...rows);
+        detail.replaceChildren(make("div", "", `${JSON.stringify(entry.token)}: ${(100 * p).toFixed(1)}%`), list);
         detail.hidden = false;
       });
       text.append(span);
@@ -398,6 +399,9 @@
         headers: { "Content-Type": "application/json", ...authorization() },
         body: JSON.stringify(body),
         signal: controller.signal,
+        // The key travels in our own header; with credentials the browser would
+        // answer a refused Basic login with its own password dialog.
+        credentials: "omit",
       });
       if (!response.ok) {
         const detail = await response.json().then((b) => b.detail, () => response.statusText);
