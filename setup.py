@@ -35,6 +35,7 @@ setup(
     python_requires=">=3.10",
     packages=["tornchat", "tornchat.engine", "tornchat.server", "tornchat.weights", "tornchat.kernels"],
     package_dir={"tornchat.kernels": "kernels"},
+    package_data={"tornchat": ["web/*.html", "web/*.js", "web/*.css", "web/*.svg"]},  # the chat page at GET /
     install_requires=[
         "torch==2.13.0",
         "transformers==5.23.0",
@@ -48,7 +49,8 @@ setup(
         "prometheus-client>=0.20",
     ],
     extras_require={
-        "test": ["pytest>=8", "openai>=1.40", "hypothesis>=6", "jsonschema>=4.18", "psutil>=5"],
+        # playwright drives the system Chromium (apt-get install chromium) in tests/test_web*.py.
+        "test": ["pytest>=8", "openai>=1.40", "hypothesis>=6", "jsonschema>=4.18", "psutil>=5", "playwright==1.65.2"],
         # transformers[serving] brings fastapi and uvicorn for the `transformers serve` row of bench/e2e.py.
         "bench": ["matplotlib>=3.8", "openai>=1.40", "psutil>=5", "transformers[serving]==5.23.0"],
         "llamacpp": ["llama-cpp-python[server]==0.3.36"],

@@ -98,3 +98,15 @@ def tiny_qwen2():
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0, 0.5)
     return model
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """Debian's Chromium under Playwright; the browser tests skip, saying why, on a machine without it."""
+    import browser
+
+    reason = browser.missing()
+    if reason:
+        pytest.skip(reason)
+    with browser.launched() as launched:
+        yield launched

@@ -38,6 +38,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--api-auth", help="require HTTP Basic credentials user:password")
     p.add_argument("--cors-origin", help="allowed CORS origin, e.g. '*' (default: CORS off)")
+    p.add_argument("--no-web-ui", dest="web_ui", action="store_const", const=False,
+                   help="do not serve the chat page at GET / (default: served)")
     p.add_argument("--log-level", choices=config_module.CHOICES["log_level"], help="default info")
     p.add_argument("--log-format", choices=config_module.CHOICES["log_format"], help="json: one JSON object per line (default text)")
 

@@ -24,6 +24,7 @@ class Config:
     api_key: str | None = None  # Bearer token clients must send
     api_auth: str | None = None  # "user:password" for HTTP Basic
     cors_origin: str | None = None  # e.g. "*" or "http://localhost:3000"; None: CORS off
+    web_ui: bool = True  # the chat page at GET /
     log_level: str = "info"
     log_format: str = "text"  # text | json (one JSON object per line)
 
@@ -57,4 +58,7 @@ def build(file: str | None, overrides: dict) -> Config:
     for key, allowed in CHOICES.items():
         if key in values and values[key] not in allowed:
             raise ValueError(f"{key} is {values[key]!r}; expected one of {', '.join(allowed)}")
+    for f in dataclasses.fields(Config):
+        if f.type is bool and f.name in values and not isinstance(values[f.name], bool):
+            raise ValueError(f"{f.name} is {values[f.name]!r}; expected true or false")
     return Config(**values)

@@ -8,7 +8,7 @@ from tornado.httpserver import HTTPServer
 from tornado.web import Application
 
 from tornchat.config import Config
-from tornchat.server import handlers
+from tornchat.server import handlers, web
 from tornchat.server.metrics import Metrics
 from tornchat.server.stats import ServerStats
 
@@ -22,7 +22,10 @@ ROUTES = [
     (r"/v1/models", handlers.ModelsHandler),
     (r"/v1/models/([^/]+)", handlers.ModelHandler),
     (r"/v1/chat/completions", handlers.ChatCompletionsHandler),
+    (r"/", web.PageHandler),
+    (r"/web/([^/]+)", web.AssetHandler),
 ]
+WEB_HANDLERS = (web.PageHandler, web.AssetHandler)  # off with --no-web-ui
 # Metric labels: the route, not the raw path, so that probing clients cannot
 # grow the number of series.
 ENDPOINTS = {handler: re.sub(r"\(.*?\)", "{id}", path) for path, handler in ROUTES}
@@ -56,8 +59,9 @@ def log_request(handler) -> None:
 
 def make_app(config: Config, engine) -> Application:
     server_stats = ServerStats()
+    routes = [(path, handler) for path, handler in ROUTES if config.web_ui or handler not in WEB_HANDLERS]
     return Application(
-        ROUTES,
+        routes,
         default_handler_class=handlers.NotFoundHandler,
         log_function=log_request,
         tornchat_config=config,

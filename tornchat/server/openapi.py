@@ -258,7 +258,24 @@ def schemas(config: Config) -> dict:
     }
 
 
-def _paths() -> dict:
+def _page(summary: str, content_type: str, parameters: list | None = None) -> dict:
+    """A file of the chat page: open, like /health, and absent with --no-web-ui."""
+    get = {"summary": summary, "security": [{}], "responses": {"200": {"description": summary, "content": {content_type: {"schema": {"type": "string"}}}}}}
+    if parameters:
+        get["parameters"] = parameters
+        get["responses"]["404"] = _json(ERROR, "No such file")
+    return {"get": get}
+
+
+def _web_paths() -> dict:
+    name = {"name": "file", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "/": _page("The chat page (HTML). Never needs credentials; the API calls it makes carry the key the user types", "text/html"),
+        "/web/{file}": _page("The chat page's script, style sheet and icon", "text/javascript", [name]),
+    }
+
+
+def _paths(config: Config) -> dict:
     errors = {
         "401": _json(ERROR, "Missing or wrong credentials (only when --api-key or --api-auth is set); with WWW-Authenticate"),
         "405": _json(ERROR, "Method not allowed"),
@@ -320,6 +337,7 @@ def _paths() -> dict:
                 },
             }
         },
+        **(_web_paths() if config.web_ui else {}),
     }
 
 
@@ -333,7 +351,7 @@ def document(config: Config) -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": "tornchat", "version": __version__, "description": "OpenAI-compatible chat completions"},
-        "paths": _paths(),
+        "paths": _paths(config),
         "components": {"schemas": schemas(config), "securitySchemes": schemes},
         "security": [{name: []} for name in schemes] if auth.required(config) else [{}],
     }
