@@ -93,7 +93,8 @@ def logit_bias(logits: torch.Tensor, params: SamplingParams, history: History) -
 def _dense_bias(pairs: tuple[tuple[int, float], ...], vocab: int, device: torch.device) -> torch.Tensor:
     bias = torch.zeros(vocab, dtype=torch.float32)
     for token, value in pairs:
-        bias[token] += value
+        if token < vocab:  # an id of the tokenizer's that the model has no logit for can never be sampled anyway
+            bias[token] += value
     return bias.to(device)
 
 

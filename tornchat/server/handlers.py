@@ -179,7 +179,6 @@ class GenerationHandler(BaseHandler):
         return spellings(self.engine.tokenizer) if request.logprobs is not None else None
 
     async def generate(self, generation: GenerationRequest, reply, parser, request: validate.Request) -> None:
-        self.settings["metrics"].observe_options(generation)
         self.events: Queue[Event | None] = Queue()
         loop = IOLoop.current()
         try:
@@ -189,6 +188,7 @@ class GenerationHandler(BaseHandler):
         except QueueFull:
             raise APIError(503, "Server busy: too many requests are waiting; retry shortly", {"Retry-After": "1"}) from None
         self.generating = True
+        self.settings["metrics"].observe_options(generation)
         in_flight = self.settings["in_flight"]
         in_flight.add(self)
         try:
