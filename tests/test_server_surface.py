@@ -244,3 +244,16 @@ def test_invalid_fields_are_400_naming_them(server, path, body, field):
 def test_sdk_raises_bad_request_on_the_completions_endpoint(client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="m", prompt=PROMPT, suffix="x")
+
+
+def test_legacy_text_offsets_count_characters_where_a_token_splits_one():
+    from tornchat.engine.types import TokenLogprob
+    from tornchat.server.replies import Logprobs, legacy_logprobs
+
+    spelling = (b"\xe2\x82", b"\xac", b" x", b"!")  # the euro sign in two tokens
+    tokens = Logprobs(spelling)
+    tokens.add(tuple(TokenLogprob(i, -0.5, ((i, -0.5),)) for i in range(4)))
+    legacy = legacy_logprobs(tokens.content, 10)
+    assert legacy["text_offset"] == [10, 10, 11, 13]
+    assert b"".join(bytes(t["bytes"]) for t in tokens.content).decode() == "\u20ac x!"
+    assert legacy["tokens"][0] == "\ufffd" and legacy["top_logprobs"][2] == {" x": -0.5}
