@@ -51,7 +51,7 @@ class StopTable:
 def token_bytes(tokenizer) -> tuple[bytes, ...]:
     """Bytes each id adds to the text the host decodes (skip_special_tokens=True): b"" for special tokens."""
     special = set(tokenizer.all_special_ids)
-    return tuple(b"" if token_id in special else spelled for token_id, spelled in enumerate(_spellings(tokenizer)))
+    return tuple(b"" if token_id in special else spelled for token_id, spelled in enumerate(spellings(tokenizer)))
 
 
 def prompt_bytes(tokenizer) -> tuple[bytes, ...] | None:
@@ -60,11 +60,11 @@ def prompt_bytes(tokenizer) -> tuple[bytes, ...] | None:
     None unless the tokenizer is byte-level: elsewhere one id decoded alone
     may not spell exactly what it adds in context (SentencePiece spaces).
     """
-    return _spellings(tokenizer) if _byte_level_decoder(tokenizer) is not None else None
+    return spellings(tokenizer) if _byte_level_decoder(tokenizer) is not None else None
 
 
 @functools.lru_cache(maxsize=4)
-def _spellings(tokenizer) -> tuple[bytes, ...]:
+def spellings(tokenizer) -> tuple[bytes, ...]:
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     byte_decoder = _byte_level_decoder(tokenizer)
     vocab = []

@@ -21,6 +21,12 @@ from tornchat.server.app import ROUTES
 
 MAX_BODY, MAX_MESSAGES = 65536, 8
 ASK = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}
+CONTINUE = {"model": "m", "prompt": "Say hi.", "max_tokens": 2}
+# Each generating endpoint, its request schema and its reply schemas (whole, streamed chunk).
+ENDPOINTS = {
+    "/v1/chat/completions": ("ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
+    "/v1/completions": ("CompletionRequest", "Completion", "Completion"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +48,14 @@ def validator(document: dict, name: str) -> Draft202012Validator:
     return Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": document["components"]})
 
 
-def post(server, body) -> servers.Reply:
-    return servers.request(server.url, "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+def post(server, body, path="/v1/chat/completions") -> servers.Reply:
+    return servers.request(server.url, "POST", path, body, {"Content-Type": "application/json"})
 
 
-def stream_chunks(server, body: dict) -> list[dict]:
+def stream_chunks(server, body: dict, path="/v1/chat/completions") -> list[dict]:
     conn = servers.connect(server.url, timeout=60)
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps({**body, "stream": True}))
+        conn.request("POST", path, json.dumps({**body, "stream": True}))
         response = conn.getresponse()
         assert response.status == 200
         records = list(servers.sse_data(response))
@@ -94,6 +100,20 @@ def test_live_replies_match_the_documented_schemas(server, document):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     forced = {**ASK, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}
     validator(document, "ChatCompletion").validate(post(server, forced).json())
+    with_logprobs = {**ASK, "logprobs": True, "top_logprobs": 3, "presence_penalty": 1, "logit_bias": {"5": -100}, "min_p": 0.1}
+    reply = post(server, with_logprobs).json()
+    validator(document, "ChatCompletion").validate(reply)
+    assert len(reply["choices"][0]["logprobs"]["content"]) == reply["usage"]["completion_tokens"]
+    chunks = stream_chunks(server, with_logprobs)
+    for chunk in chunks:
+        validator(document, "ChatCompletionChunk").validate(chunk)
+    assert sum(len(c["choices"][0].get("logprobs", {}).get("content", [])) for c in chunks if c["choices"]) == 2
+    for body in (CONTINUE, {**CONTINUE, "logprobs": 2, "repetition_penalty": 1.2}):
+        reply = post(server, body, "/v1/completions").json()
+        validator(document, "Completion").validate(reply)
+        assert (reply["choices"][0]["logprobs"] is None) == ("logprobs" not in body)
+        for chunk in stream_chunks(server, {**body, "stream_options": {"include_usage": True}}, "/v1/completions"):
+            validator(document, "Completion").validate(chunk)
     for reply in (post(server, {}), servers.request(server.url, "GET", "/nowhere")):
         validator(document, "Error").validate(reply.json())
 
@@ -121,18 +141,22 @@ def from_schema(schema: dict, components: dict) -> st.SearchStrategy:
     if isinstance(kind, list):
         return st.one_of([from_schema({**schema, "type": k}, components) for k in kind])
     if kind == "string":
-        return st.from_regex(schema["pattern"], fullmatch=True) if "pattern" in schema else st.text(max_size=30)
+        return st.from_regex(schema["pattern"], fullmatch=True) if "pattern" in schema else st.text(min_size=schema.get("minLength", 0), max_size=30)
     if kind == "integer":
         low = schema.get("minimum", -(2**64))
         return st.integers(low, schema.get("maximum", low + 2**65))
     if kind == "number":
-        return st.floats(schema.get("minimum"), schema.get("maximum"), allow_nan=False, allow_infinity=False)
+        low = schema.get("minimum", schema.get("exclusiveMinimum"))
+        return st.floats(low, schema.get("maximum"), exclude_min="exclusiveMinimum" in schema, allow_nan=False, allow_infinity=False)
     if kind == "boolean":
         return st.booleans()
     if kind == "null":
         return st.none()
     if kind == "array":
         return st.lists(from_schema(schema.get("items", {}), components), min_size=schema.get("minItems", 0), max_size=schema.get("maxItems", 3))
+    if kind == "object" and "additionalProperties" in schema:
+        keys = st.from_regex(schema["propertyNames"]["pattern"], fullmatch=True) if "propertyNames" in schema else st.text(max_size=10)
+        return st.dictionaries(keys, from_schema(schema["additionalProperties"], components), max_size=3)
     if kind == "object" and "properties" in schema:
         properties = {name: from_schema(s, components) for name, s in schema["properties"].items()}
         required = set(schema.get("required", ()))
@@ -142,19 +166,25 @@ def from_schema(schema: dict, components: dict) -> st.SearchStrategy:
     return JSON
 
 
-def bodies(document: dict) -> st.SearchStrategy:
+def bodies(document: dict, name: str) -> st.SearchStrategy:
     components = document["components"]["schemas"]
-    request = dict(components["ChatCompletionRequest"])
+    request = dict(components[name])
     # Keep accepted requests to a few tokens: every one runs on the model.
     short = {"type": "integer", "minimum": 1, "maximum": 4}
     request["properties"] = {**request["properties"], "max_tokens": short}
     request["required"] = [*request["required"], "max_tokens"]
     documented = from_schema(request, components)
     # Most documented bodies still break a rule the schema cannot say (a user
-    # message, calls before results, ...); these plain chats are accepted.
+    # message, calls before results, token ids within the vocabulary,
+    # top_logprobs only with logprobs, ...); these plain ones are accepted.
     chat = {"type": "object", "required": ["role", "content"], "properties": {"role": {"const": "user"}, "content": {"type": "string"}}}
-    plain = {k: v for k, v in request["properties"].items() if k not in ("functions", "function_call", "tools", "tool_choice")}
-    accepted = from_schema({**request, "properties": {**plain, "messages": {"type": "array", "minItems": 1, "maxItems": 3, "items": chat}}}, components)
+    unsaid = ("functions", "function_call", "tools", "tool_choice", "logit_bias", "top_logprobs")
+    plain = {k: v for k, v in request["properties"].items() if k not in unsaid}
+    if "messages" in plain:
+        plain["messages"] = {"type": "array", "minItems": 1, "maxItems": 3, "items": chat}
+    else:
+        plain["prompt"] = {"type": "string", "minLength": 1}
+    accepted = from_schema({**request, "properties": plain}, components)
     one_field_wrong = st.tuples(documented, st.sampled_from(sorted(request["properties"])), JSON).map(
         lambda t: {**t[0], t[1]: t[2], "max_tokens": 2} if t[1] != "max_tokens" else {**t[0], t[1]: t[2]}
     )
@@ -176,21 +206,27 @@ EDGE_CASES = [
     b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "seed": -99999999999999999999}',
     b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "top_k": 2147483648}',  # past int32
     b'{"model": "m", "model": 1, "messages": [{"role": "user", "content": "\\u0000"}], "max_tokens": 2}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logit_bias": {"1' + b"0" * 40 + b'": 1}}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logit_bias": {"\xd9\xa3": 1}}',  # a non-ASCII digit
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": true, "top_logprobs": 1' + b"0" * 30 + b"}",
+    b'{"model": "m", "messages": [{"role": "developer", "content": null}, {"role": "user", "content": "hi"}], "max_tokens": 1}',
+    b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 1, "min_p": 1, "repetition_penalty": 1e-300}',
 ]
 
 
-def check(server, document: dict, raw: bytes) -> int:
-    reply = post(server, raw)
+def check(server, document: dict, raw: bytes, path: str = "/v1/chat/completions") -> int:
+    _, whole, chunk_schema = ENDPOINTS[path]
+    reply = post(server, raw, path)
     if reply.status != 200:
         assert_clean_error(server, reply)
         return reply.status
     body = json.loads(raw)
     if body.get("stream") is True:
-        for chunk in stream_chunks(server, body):
+        for chunk in stream_chunks(server, body, path):
             assert "error" not in chunk, chunk
-            validator(document, "ChatCompletionChunk").validate(chunk)
+            validator(document, chunk_schema).validate(chunk)
     else:
-        validator(document, "ChatCompletion").validate(reply.json())
+        validator(document, whole).validate(reply.json())
     return 200
 
 
@@ -199,13 +235,14 @@ def test_edge_case_bodies(server, document, raw):
     check(server, document, raw)
 
 
-def test_fuzzed_bodies_get_a_reply_or_a_clean_4xx(server, document):
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_fuzzed_bodies_get_a_reply_or_a_clean_4xx(server, document, path):
     statuses = Counter()
 
     @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(bodies(document))
+    @given(bodies(document, ENDPOINTS[path][0]))
     def run(raw):
-        statuses[check(server, document, raw)] += 1
+        statuses[check(server, document, raw, path)] += 1
 
     run()
     print(statuses)

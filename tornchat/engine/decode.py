@@ -1,13 +1,16 @@
 """The decode loop: prefill what the slot lacks, then one token per step.
 
 Everything a researcher changes when tweaking decoding lives here, on one
-screen: the forward calls, the sampler call, and the stop checks.
+screen: the forward calls, then per step the log-probabilities the reply
+reports (of the raw logits, only when asked), the logits processors
+(processors.py), the sampler call, and the stop checks.
 """
 import secrets
 from collections.abc import Callable
 
 import torch
 
+from tornchat.engine import logprobs, processors
 from tornchat.engine.model import PREFILL_CHUNK, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.textstream import Detokenizer, StopMatcher
@@ -68,23 +71,30 @@ def generate(
         seed = torch.tensor([secrets.randbits(62) if params.seed is None else params.seed], dtype=torch.int64, device=device)
 
         detok, stops = Detokenizer(tokenizer), StopMatcher(request.stop)
-        generated: list[int] = []
+        history = processors.History(prompt)
         unsent: list[int] = []  # ids whose text has not been emitted yet
+        unsent_logprobs: list = []  # their TokenLogprobs, when the request asks
         finish_reason, hit_stop_string = "length", False
         for step in range(budget):
             if cancelled():
                 return
+            model_logprobs = logprobs.distribution(logits) if request.logprobs is not None else None
+            logits = processors.apply(logits, params, history)
+            logits = processors.truncate(logits, params)
             token_ids, _ = sample(logits[None, :], temperature, top_k, top_p, seed, step)
             token = int(token_ids[0])
-            generated.append(token)
+            history.append(token)
             if token in stop_token_ids:
                 finish_reason = "stop"
                 break
             unsent.append(token)
+            if model_logprobs is not None:
+                unsent_logprobs.append(logprobs.for_token(model_logprobs, token, request.logprobs))
             text, hit_stop_string = stops.push(detok.push(token))
             if text:
-                emit(Event(text=text, token_ids=tuple(unsent)))
+                emit(Event(text=text, token_ids=tuple(unsent), logprobs=tuple(unsent_logprobs)))
                 unsent.clear()
+                unsent_logprobs.clear()
             if hit_stop_string:
                 finish_reason = "stop"
                 break
@@ -93,12 +103,12 @@ def generate(
                 slot.tokens.append(token)
                 counters["decode_steps"] += 1
         if not hit_stop_string and (rest := stops.flush()):
-            emit(Event(text=rest, token_ids=tuple(unsent)))
+            emit(Event(text=rest, token_ids=tuple(unsent), logprobs=tuple(unsent_logprobs)))
     except BaseException:
         slots.discard(slot)
         raise
     finally:
         slots.enforce_budget()
     # After the budget holds, so that whoever gets the last event sees the pool as it stays.
-    usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(generated), cached_tokens=reused)
+    usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(history.output_ids), cached_tokens=reused)
     emit(Event(finish_reason=finish_reason, usage=usage))

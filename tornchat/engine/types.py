@@ -16,6 +16,12 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k
     top_p: float = 1.0
     seed: int | None = None  # None: a fresh random seed per request
+    # Logits processors (tornchat/engine/processors.py); these values leave the logits as they are.
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_p: float = 0.0
 
 
 @dataclass
@@ -25,6 +31,7 @@ class GenerationRequest:
     max_tokens: int | None = None  # new tokens (OpenAI)
     max_length: int | None = None  # prompt + new tokens (spec); the tighter bound wins
     stop: tuple[str, ...] = ()  # up to 4 strings, matched on decoded text
+    logprobs: int | None = None  # None: none computed; n: each token's logprob and the n most likely
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,15 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token under the model's own distribution: log_softmax of the raw logits."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class Event:
     """One message from the worker: new text, and on the last one the outcome.
 
@@ -50,6 +66,7 @@ class Event:
 
     text: str = ""
     token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked
     finish_reason: str | None = None
     usage: Usage | None = None
     error: BaseException | None = None

@@ -22,6 +22,7 @@ ROUTES = [
     (r"/v1/models", handlers.ModelsHandler),
     (r"/v1/models/([^/]+)", handlers.ModelHandler),
     (r"/v1/chat/completions", handlers.ChatCompletionsHandler),
+    (r"/v1/completions", handlers.CompletionsHandler),
     (r"/", web.PageHandler),
     (r"/web/([^/]+)", web.AssetHandler),
 ]
@@ -68,7 +69,7 @@ def make_app(config: Config, engine) -> Application:
         engine=engine,
         server_stats=server_stats,
         metrics=Metrics(engine, server_stats),
-        in_flight=set(),  # chat handlers with a generation submitted, for shutdown
+        in_flight=set(),  # handlers with a generation submitted, for shutdown
     )
 
 

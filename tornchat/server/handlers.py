@@ -13,6 +13,7 @@ from tornado.web import HTTPError, RequestHandler, stream_request_body
 from tornchat import MODEL_ID, functions, prompt
 from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, QueueFull
 from tornchat.functions import Piece
+from tornchat.kernels.stopcheck import spellings
 from tornchat.server import auth, openapi, replies, sse, stats, validate
 from tornchat.server.errors import APIError, invalid
 
@@ -133,13 +134,14 @@ class ModelHandler(BaseHandler):
 
 
 @stream_request_body
-class ChatCompletionsHandler(BaseHandler):
-    """POST /v1/chat/completions: validate, queue on the engine, answer as JSON or SSE.
+class GenerationHandler(BaseHandler):
+    """What the generating endpoints share: read the body, queue on the engine, answer as JSON or SSE.
 
     The body streams in so that an oversized one is refused without holding
     it all. Engine events arrive from the worker thread through
     IOLoop.add_callback into a Queue; a client that leaves withdraws its
-    request from the engine.
+    request from the engine. Subclasses turn the body into a
+    GenerationRequest and a reply (replies.Reply or TextReply) in ``post``.
     """
 
     def prepare(self) -> None:
@@ -163,19 +165,20 @@ class ChatCompletionsHandler(BaseHandler):
     def _too_large(self, size: int) -> APIError:
         return invalid(f"body is {size} bytes; the limit is {self.config.max_body_bytes} (max_body_bytes)", 413)
 
-    async def post(self) -> None:
+    def body(self) -> dict:
         if self.body_size > self.config.max_body_bytes:
             raise self._too_large(self.body_size)
-        request = validate.chat_request(validate.parse_body(b"".join(self.chunks)), self.config.max_messages)
-        tokenizer = self.engine.tokenizer
-        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice)
-        generation = GenerationRequest(
-            prompt_ids=prompt.encode(tokenizer, plan.prompt),
-            sampling=request.sampling,
-            max_tokens=request.max_tokens,
-            max_length=request.max_length,
-            stop=request.stop + plan.stops,
-        )
+        return validate.parse_body(b"".join(self.chunks))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.engine.tokenizer)
+
+    def spelling(self, request: validate.Request) -> tuple[bytes, ...] | None:
+        """The bytes of each token id where the request asked for logprobs, else None."""
+        return spellings(self.engine.tokenizer) if request.logprobs is not None else None
+
+    async def generate(self, generation: GenerationRequest, reply, parser, request: validate.Request) -> None:
         self.events: Queue[Event | None] = Queue()
         loop = IOLoop.current()
         try:
@@ -185,14 +188,14 @@ class ChatCompletionsHandler(BaseHandler):
         except QueueFull:
             raise APIError(503, "Server busy: too many requests are waiting; retry shortly", {"Retry-After": "1"}) from None
         self.generating = True
+        self.settings["metrics"].observe_options(generation)
         in_flight = self.settings["in_flight"]
         in_flight.add(self)
-        reply = replies.Reply(request.call_style)
         try:
             if request.stream:
-                await self._stream(reply, plan.parser, request.include_usage)
+                await self._stream(reply, parser, request.include_usage)
             else:
-                await self._complete(reply, plan.parser)
+                await self._complete(reply, parser)
         finally:
             in_flight.discard(self)
 
@@ -201,6 +204,7 @@ class ChatCompletionsHandler(BaseHandler):
             if event.error is not None:
                 status, message = failure(event.error)  # the engine has logged it
                 raise APIError(status, message, {"Retry-After": "1"} if status == 503 else None)
+            reply.add_logprobs(event.logprobs)
             for piece in _pieces(parser, event):
                 reply.add(piece)
             if event.is_last:
@@ -211,7 +215,8 @@ class ChatCompletionsHandler(BaseHandler):
         self.server_stats.counters["streams"] += 1
         self.set_header("Content-Type", "text/event-stream; charset=utf-8")
         self.set_header("Cache-Control", "no-cache")
-        if not await self._send(sse.record(reply.chunk({"role": "assistant"}))):
+        # The opening record (or at least the headers) goes out now, before the first token.
+        if not await self._send(b"".join(sse.record(chunk) for chunk in reply.opening())):
             return
         try:
             async for event in self._events():
@@ -219,6 +224,7 @@ class ChatCompletionsHandler(BaseHandler):
                     status, message = failure(event.error)
                     await self._send(sse.error_record("Generation failed" if status == 500 else message, "server_error") + sse.DONE)
                     return
+                reply.add_logprobs(event.logprobs)  # sent with the next chunk
                 records = [sse.record(reply.chunk(delta)) for p in _pieces(parser, event) if (delta := reply.add(p))]
                 if event.is_last:
                     self.usage = event.usage
@@ -281,6 +287,38 @@ class ChatCompletionsHandler(BaseHandler):
         if getattr(self, "handle", None) is not None and self.generating:
             self.generating = False
             self.engine.withdraw(self.handle)
+
+
+class ChatCompletionsHandler(GenerationHandler):
+    """POST /v1/chat/completions: messages through the chat template (and function prompts)."""
+
+    async def post(self) -> None:
+        request = validate.chat_request(self.body(), self.config.max_messages, self.vocab_size)
+        tokenizer = self.engine.tokenizer
+        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice)
+        generation = GenerationRequest(
+            prompt_ids=prompt.encode(tokenizer, plan.prompt),
+            sampling=request.sampling,
+            max_tokens=request.max_tokens,
+            max_length=request.max_length,
+            stop=request.stop + plan.stops,
+            logprobs=request.logprobs,
+        )
+        await self.generate(generation, replies.Reply(request.call_style, self.spelling(request)), plan.parser, request)
+
+
+class CompletionsHandler(GenerationHandler):
+    """POST /v1/completions (legacy): the prompt as it is, no chat template; the reply is the text that follows."""
+
+    async def post(self) -> None:
+        request = validate.completion_request(self.body(), self.vocab_size)
+        ids = request.prompt if isinstance(request.prompt, list) else prompt.encode(self.engine.tokenizer, request.prompt)
+        if not ids:
+            raise invalid("prompt is empty")
+        generation = GenerationRequest(
+            prompt_ids=ids, sampling=request.sampling, max_tokens=request.max_tokens, stop=request.stop, logprobs=request.logprobs
+        )
+        await self.generate(generation, replies.TextReply(self.spelling(request)), None, request)
 
 
 def _pieces(parser, event: Event) -> list[Piece]:

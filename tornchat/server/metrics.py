@@ -10,13 +10,17 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from tornchat.engine.types import Usage
+from tornchat.engine.types import GenerationRequest, SamplingParams, Usage
 from tornchat.server import stats
 
 # Seconds. Time to first token spans prefill of long prompts on a CPU; the
 # gap between tokens is a few milliseconds on a GPU, tens on a CPU.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+# SamplingParams fields of the logits processors, counted when a request sets them away from neutral.
+PROCESSOR_OPTIONS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_p")
+NEUTRAL = SamplingParams()
 
 
 class Metrics:
@@ -36,7 +40,20 @@ class Metrics:
         )
         self.prompt_tokens = Counter("tornchat_prompt_tokens", "Prompt tokens of answered requests", registry=self.registry)
         self.completion_tokens = Counter("tornchat_completion_tokens", "Generated tokens of answered requests", registry=self.registry)
+        self.options = Counter(
+            "tornchat_request_options",
+            "Generation requests that set a decoding option (a logits processor's, or logprobs)",
+            ["option"],
+            registry=self.registry,
+        )
         self.registry.register(SnapshotCollector(engine, server_stats))
+
+    def observe_options(self, request: GenerationRequest) -> None:
+        for option in PROCESSOR_OPTIONS:
+            if getattr(request.sampling, option) != getattr(NEUTRAL, option):
+                self.options.labels(option).inc()
+        if request.logprobs is not None:
+            self.options.labels("logprobs").inc()
 
     def observe_response(self, endpoint: str, status: int, usage: Usage | None, ttft: float | None) -> None:
         self.requests.labels(endpoint, str(status)).inc()

@@ -8,7 +8,7 @@ this file and the code fails there.
 from tornchat import MODEL_ID, __version__
 from tornchat.config import Config
 from tornchat.server import auth
-from tornchat.server.validate import MAX_STOP, ROLES
+from tornchat.server.validate import COMPLETION_MAX_TOKENS, LOGIT_BIAS, MAX_STOP, MAX_TOP_LOGPROBS, ROLES
 
 
 def _optional(schema: dict) -> dict:
@@ -49,6 +49,67 @@ USAGE = {
     },
 }
 FINISH_REASON = {"enum": ["stop", "length", "function_call", "tool_calls"]}
+TOKEN = {
+    "type": "object",
+    "required": ["token", "logprob", "bytes"],
+    "properties": {
+        "token": {"type": "string"},
+        "logprob": {"type": "number", "maximum": 0, "description": "-9999.0 stands for -infinity"},
+        "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}},
+    },
+}
+CHAT_LOGPROBS = {
+    "type": "object",
+    "required": ["content"],
+    "description": "The model's own log-probabilities: log_softmax of the raw logits, before temperature, truncation, penalties and bias",
+    "properties": {
+        "content": {
+            "type": "array",
+            "items": {
+                **TOKEN,
+                "required": [*TOKEN["required"], "top_logprobs"],
+                "properties": {**TOKEN["properties"], "top_logprobs": {"type": "array", "maxItems": MAX_TOP_LOGPROBS, "items": TOKEN}},
+            },
+        }
+    },
+}
+LEGACY_LOGPROBS = {
+    "type": ["object", "null"],
+    "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+    "properties": {
+        "tokens": {"type": "array", "items": {"type": "string"}},
+        "token_logprobs": {"type": "array", "items": {"type": "number", "maximum": 0}},
+        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number", "maximum": 0}}},
+        "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    },
+}
+# Request fields both generating endpoints take.
+SAMPLING = {
+    "temperature": _optional({"type": "number", "minimum": 0, "maximum": 2, "description": "Below 0.01: greedy"}),
+    "top_p": _optional({"type": "number", "minimum": 0, "maximum": 1}),
+    "top_k": _optional({"type": "integer", "minimum": 1}),
+    "min_p": _optional(
+        {"type": "number", "minimum": 0, "maximum": 1, "description": "Drop tokens below min_p x the top token's probability (after temperature)"}
+    ),
+    "repetition_penalty": _optional(
+        {"type": "number", "exclusiveMinimum": 0, "maximum": 10, "description": "HF / llama.cpp: over the prompt's and the output's tokens; 1 is off"}
+    ),
+    "frequency_penalty": _optional({"type": "number", "minimum": -2, "maximum": 2, "description": "OpenAI: per occurrence in the output"}),
+    "presence_penalty": _optional({"type": "number", "minimum": -2, "maximum": 2, "description": "OpenAI: once if in the output"}),
+    "logit_bias": _optional(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS, "maximum": LOGIT_BIAS},
+            "description": "Token id (a string) to a bias added to its logit",
+        }
+    ),
+    "seed": _optional({"type": "integer"}),
+    "stream": _optional({"type": "boolean"}),
+    "stream_options": _optional({"type": "object", "properties": {"include_usage": _optional({"type": "boolean"})}}),
+    "stop": _optional({"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}}]}),
+    "n": _optional({"const": 1}),
+}
 
 
 def schemas(config: Config) -> dict:
@@ -106,19 +167,14 @@ def schemas(config: Config) -> dict:
                     "items": _ref("Message"),
                     "description": "At least one user message. The rendered prompt must leave room for one new token within max_length and the model's context",
                 },
-                "temperature": _optional({"type": "number", "minimum": 0, "maximum": 2, "description": "Below 0.01: greedy"}),
-                "top_p": _optional({"type": "number", "minimum": 0, "maximum": 1}),
-                "top_k": _optional({"type": "integer", "minimum": 1}),
+                **SAMPLING,
                 "max_tokens": _optional({"type": "integer", "minimum": 1, "description": "New tokens"}),
                 "max_completion_tokens": _optional({"type": "integer", "minimum": 1, "description": "Same as max_tokens; the smaller wins"}),
                 "max_length": _optional({"type": "integer", "minimum": 1, "description": "Prompt plus new tokens"}),
-                "stream": _optional({"type": "boolean"}),
-                "stream_options": _optional({"type": "object", "properties": {"include_usage": _optional({"type": "boolean"})}}),
-                "stop": _optional(
-                    {"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}}]}
+                "logprobs": _optional({"type": "boolean", "description": "Each generated token's log-probability in choices[].logprobs"}),
+                "top_logprobs": _optional(
+                    {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "description": "The most likely tokens at each position; needs logprobs: true"}
                 ),
-                "seed": _optional({"type": "integer"}),
-                "n": _optional({"const": 1}),
                 "functions": _optional({"type": "array", "items": _ref("FunctionDefinition")}),
                 "function_call": _optional(
                     {
@@ -184,6 +240,7 @@ def schemas(config: Config) -> dict:
                                 },
                             },
                             "finish_reason": FINISH_REASON,
+                            "logprobs": CHAT_LOGPROBS,
                         },
                     },
                 },
@@ -219,6 +276,58 @@ def schemas(config: Config) -> dict:
                                 },
                             },
                             "finish_reason": {"anyOf": [FINISH_REASON, {"type": "null"}]},
+                            "logprobs": {**CHAT_LOGPROBS, "description": "The tokens that arrived since the previous chunk"},
+                        },
+                    },
+                },
+                "usage": USAGE,
+            },
+        },
+        "CompletionRequest": {
+            "type": "object",
+            "required": ["model", "prompt"],
+            "description": f"At most {config.max_body_bytes} bytes (413 beyond). Unknown fields are ignored.",
+            "properties": {
+                "model": {"type": "string", "description": f"Accepted, ignored: replies always report {MODEL_ID}"},
+                "prompt": {
+                    "description": "Text, sent as it is (no chat template), or token ids; one prompt per request",
+                    "anyOf": [
+                        {"type": "string"},
+                        {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+                        {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                    ],
+                },
+                **SAMPLING,
+                "max_tokens": _optional({"type": "integer", "minimum": 1, "description": f"New tokens; {COMPLETION_MAX_TOKENS} if not given"}),
+                "logprobs": _optional(
+                    {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "description": "Log-probabilities, with this many most likely tokens at each position"}
+                ),
+                "echo": _optional({"const": False}),
+                "suffix": _optional({"const": "", "description": "Not supported"}),
+                "best_of": _optional({"const": 1}),
+            },
+        },
+        "Completion": {
+            "type": "object",
+            "description": "The reply, or with stream true one SSE record per chunk (object text_completion too; "
+            "then, with stream_options.include_usage, a chunk with empty choices and usage), then `data: [DONE]`",
+            "required": ["id", "object", "created", "model", "choices"],
+            "properties": {
+                "id": {"type": "string", "pattern": "^cmpl-"},
+                "object": {"const": "text_completion"},
+                "created": {"type": "integer"},
+                "model": {"const": MODEL_ID},
+                "choices": {
+                    "type": "array",
+                    "maxItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["index", "text", "logprobs", "finish_reason"],
+                        "properties": {
+                            "index": {"const": 0},
+                            "text": {"type": "string"},
+                            "logprobs": {**LEGACY_LOGPROBS, "description": "text_offset: characters from the start of the generated text"},
+                            "finish_reason": {"enum": ["stop", "length", None]},
                         },
                     },
                 },
@@ -280,6 +389,13 @@ def _paths(config: Config) -> dict:
         "401": _json(ERROR, "Missing or wrong credentials (only when --api-key or --api-auth is set); with WWW-Authenticate"),
         "405": _json(ERROR, "Method not allowed"),
     }
+    generation_errors = {
+        "400": _json(ERROR, "Invalid request: the detail names the field, or the prompt is too long for the context"),
+        "413": _json(ERROR, "Body larger than max_body_bytes"),
+        "500": _json(ERROR, "Internal server error (no details)"),
+        "503": _json(ERROR, "Queue full, device out of memory, or server shutting down; with Retry-After"),
+        **errors,
+    }
     return {
         "/health": {
             "get": {
@@ -314,6 +430,19 @@ def _paths(config: Config) -> dict:
                 "responses": {"200": _json(_ref("Model"), "The model"), "404": _json(ERROR, "Unknown model id"), **errors},
             }
         },
+        "/v1/completions": {
+            "post": {
+                "summary": "Legacy text completion: continue the prompt as it is, as one JSON body or an SSE stream",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("CompletionRequest")}}},
+                "responses": {
+                    "200": {
+                        "description": "The completion (stream false) or a stream of chunks (stream true)",
+                        "content": {"application/json": {"schema": _ref("Completion")}, "text/event-stream": {"schema": _ref("Completion")}},
+                    },
+                    **generation_errors,
+                },
+            }
+        },
         "/v1/chat/completions": {
             "post": {
                 "summary": "Generate the assistant's next message, as one JSON body or an SSE stream",
@@ -326,14 +455,7 @@ def _paths(config: Config) -> dict:
                             "text/event-stream": {"schema": _ref("ChatCompletionChunk")},
                         },
                     },
-                    "400": _json(ERROR, "Invalid request: the detail names the field, or the prompt is too long for the context"),
-                    "413": _json(ERROR, "Body larger than max_body_bytes"),
-                    "500": _json(ERROR, "Internal server error (no details)"),
-                    "503": _json(
-                        ERROR,
-                        "Queue full, device out of memory, or server shutting down; with Retry-After",
-                    ),
-                    **errors,
+                    **generation_errors,
                 },
             }
         },

@@ -1,14 +1,16 @@
-"""Reply bodies in the OpenAI shape: chat.completion, chat.completion.chunk, model list.
+"""Reply bodies in the OpenAI shape: chat.completion(.chunk), text_completion, model list.
 
 ``Reply`` collects one choice's pieces (content, call name, call arguments)
 and gives both the streamed delta for each piece and the whole message at
-the end, so the two modes cannot drift apart.
+the end, so the two modes cannot drift apart; ``TextReply`` does the same
+for /v1/completions. Token log-probabilities, where asked for, ride on the
+next chunk sent after they arrive, and all of them on a whole reply.
 """
 import secrets
 import time
 
 from tornchat import MODEL_ID
-from tornchat.engine.types import Usage
+from tornchat.engine.types import TokenLogprob, Usage
 from tornchat.functions import Piece
 
 
@@ -33,13 +35,86 @@ def usage_body(usage: Usage) -> dict:
     }
 
 
-class Reply:
-    def __init__(self, call_style: str | None):
-        self.call_style = call_style  # "functions", "tools" or None (no functions offered)
-        self.id = "chatcmpl-" + secrets.token_hex(12)
+def _token(token_id: int, logprob: float, spelling: tuple[bytes, ...]) -> dict:
+    spelled = spelling[token_id] if token_id < len(spelling) else b""  # models may have ids their tokenizer lacks
+    return {"token": spelled.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(spelled)}
+
+
+class Logprobs:
+    """One reply's token log-probabilities in the chat shape, and how many have been streamed."""
+
+    def __init__(self, spelling: tuple[bytes, ...]):
+        self.spelling = spelling  # the bytes of each token id
+        self.content: list[dict] = []
+        self.sent = 0
+
+    def add(self, entries: tuple[TokenLogprob, ...]) -> None:
+        for entry in entries:
+            token = _token(entry.token_id, entry.logprob, self.spelling)
+            token["top_logprobs"] = [_token(t, lp, self.spelling) for t, lp in entry.top]
+            self.content.append(token)
+
+    def unsent(self) -> list[dict]:
+        start, self.sent = self.sent, len(self.content)
+        return self.content[start:]
+
+
+def legacy_logprobs(content: list[dict], offset: int) -> dict:
+    """Chat-shaped entries in /v1/completions' shape; text_offset counts characters from offset."""
+    offsets, text = [], b""
+    for token in content:
+        offsets.append(offset + len(text.decode("utf-8", errors="ignore")))
+        text += bytes(token["bytes"])
+    return {
+        "tokens": [t["token"] for t in content],
+        "token_logprobs": [t["logprob"] for t in content],
+        "top_logprobs": [{top["token"]: top["logprob"] for top in t["top_logprobs"]} for t in content],
+        "text_offset": offsets,
+    }
+
+
+class _Reply:
+    """What both reply kinds share: id, timestamps, log-probabilities, the usage chunk."""
+
+    id_prefix = chunk_object = ""
+
+    def __init__(self, spelling: tuple[bytes, ...] | None):
+        self.id = self.id_prefix + secrets.token_hex(12)
         self.created = int(time.time())
+        self.logprobs = None if spelling is None else Logprobs(spelling)  # None: not asked for
+
+    def add_logprobs(self, entries: tuple[TokenLogprob, ...]) -> None:
+        if self.logprobs is not None:
+            self.logprobs.add(entries)
+
+    def finish_reason(self, engine_reason: str) -> str:
+        return engine_reason
+
+    def opening(self) -> list[dict]:
+        """Chunks a stream starts with, before any text."""
+        return []
+
+    def envelope(self, kind: str | None = None) -> dict:
+        return {"id": self.id, "object": kind or self.chunk_object, "created": self.created, "model": MODEL_ID}
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        """The extra chunk ``stream_options.include_usage`` asks for: no choices, only usage."""
+        return {**self.envelope(), "choices": [], "usage": usage_body(usage)}
+
+
+class Reply(_Reply):
+    """/v1/chat/completions."""
+
+    id_prefix, chunk_object = "chatcmpl-", "chat.completion.chunk"
+
+    def __init__(self, call_style: str | None, spelling: tuple[bytes, ...] | None = None):
+        super().__init__(spelling)
+        self.call_style = call_style  # "functions", "tools" or None (no functions offered)
         self.content: list[str] = []
         self.calls: list[dict] = []  # {id, name, arguments}
+
+    def opening(self) -> list[dict]:
+        return [self.chunk({"role": "assistant"})]
 
     def add(self, piece: Piece) -> dict | None:
         """Record a piece; returns its streaming delta (None if this reply style drops it)."""
@@ -80,31 +155,41 @@ class Reply:
         return message
 
     def completion(self, engine_reason: str, usage: Usage) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": MODEL_ID,
-            "choices": [{"index": 0, "message": self.message(), "finish_reason": self.finish_reason(engine_reason)}],
-            "usage": usage_body(usage),
-        }
+        choice = {"index": 0, "message": self.message(), "finish_reason": self.finish_reason(engine_reason)}
+        if self.logprobs is not None:
+            choice["logprobs"] = {"content": self.logprobs.content}
+        return {**self.envelope("chat.completion"), "choices": [choice], "usage": usage_body(usage)}
 
     def chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": MODEL_ID,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}],
-        }
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        if self.logprobs is not None and (content := self.logprobs.unsent()):
+            choice["logprobs"] = {"content": content}
+        return {**self.envelope(), "choices": [choice]}
 
-    def usage_chunk(self, usage: Usage) -> dict:
-        """The extra chunk ``stream_options.include_usage`` asks for: no choices, only usage."""
-        return {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": MODEL_ID,
-            "choices": [],
-            "usage": usage_body(usage),
-        }
+
+class TextReply(_Reply):
+    """/v1/completions: the same interface as Reply, in the text_completion shape."""
+
+    id_prefix, chunk_object = "cmpl-", "text_completion"
+
+    def __init__(self, spelling: tuple[bytes, ...] | None = None):
+        super().__init__(spelling)
+        self.text: list[str] = []
+        self.streamed = 0  # characters sent in chunks so far: the next chunk's text_offset starts there
+
+    def add(self, piece: Piece) -> dict:
+        self.text.append(piece.text)
+        return {"text": piece.text}
+
+    def completion(self, engine_reason: str, usage: Usage) -> dict:
+        logprobs = None if self.logprobs is None else legacy_logprobs(self.logprobs.content, 0)
+        choice = {"index": 0, "text": "".join(self.text), "logprobs": logprobs, "finish_reason": engine_reason}
+        return {**self.envelope(), "choices": [choice], "usage": usage_body(usage)}
+
+    def chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
+        text = delta.get("text", "")
+        tokens = self.logprobs.unsent() if self.logprobs is not None else []
+        logprobs = legacy_logprobs(tokens, self.streamed) if tokens else None
+        self.streamed += len(text)
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {**self.envelope(), "choices": [choice]}

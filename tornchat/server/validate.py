@@ -1,4 +1,4 @@
-"""Request body -> ChatRequest, or a 400 naming the field that is wrong.
+"""Request body -> ChatRequest or CompletionRequest, or a 400 naming the field that is wrong.
 
 Types are checked strictly (a bool is not a number, a string is not a list);
 unknown fields are ignored, as OpenAI clients send many we do not use.
@@ -13,24 +13,39 @@ from tornchat.engine.types import SamplingParams
 from tornchat.functions import Choice
 from tornchat.server.errors import invalid
 
-ROLES = ("system", "user", "assistant", "function", "tool")
+ROLES = ("system", "developer", "user", "assistant", "function", "tool")  # developer: newer clients' system
 MAX_STOP = 4
+MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS = 100.0  # each bias is within +-this
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 SEED_MODULUS = 1 << 63  # seeds of any size map into the sampler's int64 range
 
 
 @dataclass
-class ChatRequest:
-    messages: list[dict]  # role, content (str), and function_call / tool_calls / name / tool_call_id if present
+class Request:
+    """What both endpoints take."""
+
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None
-    max_length: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None  # None: not asked; n: with the n most likely tokens at each position
+
+
+@dataclass
+class ChatRequest(Request):
+    messages: list[dict] = field(default_factory=list)  # role, content (str), and function_call / tool_calls / name / tool_call_id if present
+    max_length: int | None = None
     functions: list[dict] = field(default_factory=list)  # name, description, parameters
     call_style: str | None = None  # "functions" (legacy) or "tools": the shape of a call in the reply
     choice: Choice = field(default_factory=Choice)
+
+
+@dataclass
+class CompletionRequest(Request):
+    prompt: str | list[int] = ""  # text, or token ids
 
 
 def parse_body(body: bytes) -> dict:
@@ -43,54 +58,96 @@ def parse_body(body: bytes) -> dict:
     return data
 
 
-def chat_request(data: dict, max_messages: int) -> ChatRequest:
-    model = data.get("model")
-    if not isinstance(model, str):
-        raise invalid("model is required and must be a string")
+def chat_request(data: dict, max_messages: int, vocab_size: int) -> ChatRequest:
     functions, call_style, choice = _functions(data)
-    temperature = _number(data, "temperature", 0.0, 2.0)
-    top_p = _number(data, "top_p", 0.0, 1.0)
-    top_k = _integer(data, "top_k", 1)
-    seed = _integer(data, "seed", None)
-    n = _integer(data, "n", 1)
-    if n not in (None, 1):
-        raise invalid("n must be 1: one choice per request")
     max_tokens = [v for v in (_integer(data, "max_tokens", 1), _integer(data, "max_completion_tokens", 1)) if v]
-    stream_options = _object(data, "stream_options")
+    logprobs = _boolean(data, "logprobs")
+    top_logprobs = _integer(data, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise invalid("top_logprobs needs logprobs: true")
     return ChatRequest(
-        messages=_messages(data.get("messages"), max_messages),
-        sampling=SamplingParams(
-            temperature=1.0 if temperature is None else temperature,
-            top_k=top_k or 0,
-            top_p=1.0 if top_p is None else top_p,
-            seed=None if seed is None else seed % SEED_MODULUS,
-        ),
+        **_shared(data, vocab_size),
         max_tokens=min(max_tokens, default=None),
+        logprobs=(top_logprobs or 0) if logprobs else None,
+        messages=_messages(data.get("messages"), max_messages),
         max_length=_integer(data, "max_length", 1),
-        stop=_stop(data.get("stop")),
-        stream=bool(_boolean(data, "stream")),
-        include_usage=bool(_boolean(stream_options, "include_usage", "stream_options.include_usage")),
         functions=functions,
         call_style=call_style,
         choice=choice,
     )
 
 
+def completion_request(data: dict, vocab_size: int) -> CompletionRequest:
+    """POST /v1/completions: one prompt, one choice, the generated text only."""
+    if _boolean(data, "echo"):
+        raise invalid("echo must be false: the reply holds the generated text only")
+    if _string(data, "suffix", "suffix"):
+        raise invalid("suffix is not supported")
+    if _integer(data, "best_of", 1) not in (None, 1):
+        raise invalid("best_of must be 1: one choice per request")
+    max_tokens = _integer(data, "max_tokens", 1)
+    return CompletionRequest(
+        **_shared(data, vocab_size),
+        max_tokens=COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+        logprobs=_integer(data, "logprobs", 0, MAX_TOP_LOGPROBS),
+        prompt=_prompt(data.get("prompt"), vocab_size),
+    )
+
+
+def _shared(data: dict, vocab_size: int) -> dict:
+    """The fields both endpoints read the same way, as keyword arguments of Request."""
+    model = data.get("model")
+    if not isinstance(model, str):
+        raise invalid("model is required and must be a string")
+    n = _integer(data, "n", 1)
+    if n not in (None, 1):
+        raise invalid("n must be 1: one choice per request")
+    stream_options = _object(data, "stream_options")
+    return {
+        "sampling": _sampling(data, vocab_size),
+        "stop": _stop(data.get("stop")),
+        "stream": bool(_boolean(data, "stream")),
+        "include_usage": bool(_boolean(stream_options, "include_usage", "stream_options.include_usage")),
+    }
+
+
+def _sampling(data: dict, vocab_size: int) -> SamplingParams:
+    def number(key: str, low: float, high: float, default: float) -> float:
+        value = _number(data, key, low, high)
+        return default if value is None else value
+
+    repetition_penalty = number("repetition_penalty", 0.0, 10.0, 1.0)
+    if repetition_penalty == 0.0:
+        raise invalid("repetition_penalty must be above 0")
+    seed = _integer(data, "seed", None)
+    return SamplingParams(
+        temperature=number("temperature", 0.0, 2.0, 1.0),
+        top_k=_integer(data, "top_k", 1) or 0,
+        top_p=number("top_p", 0.0, 1.0, 1.0),
+        seed=None if seed is None else seed % SEED_MODULUS,
+        repetition_penalty=repetition_penalty,
+        frequency_penalty=number("frequency_penalty", -2.0, 2.0, 0.0),
+        presence_penalty=number("presence_penalty", -2.0, 2.0, 0.0),
+        logit_bias=_logit_bias(data, vocab_size),
+        min_p=number("min_p", 0.0, 1.0, 0.0),
+    )
+
+
 # ---- scalar fields ----------------------------------------------------------------
 
 
-def _number(data: dict, key: str, low: float, high: float) -> float | None:
+def _number(data: dict, key: str, low: float, high: float, name: str | None = None) -> float | None:
     value = data.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(f"{key} must be a number")
+        raise invalid(f"{name or key} must be a number")
     if not low <= value <= high:
-        raise invalid(f"{key} must be between {low:g} and {high:g}, got {value:g}")
+        raise invalid(f"{name or key} must be between {low:g} and {high:g}, got {value:g}")
     return float(value)
 
 
-def _integer(data: dict, key: str, low: int | None) -> int | None:
+def _integer(data: dict, key: str, low: int | None, high: int | None = None) -> int | None:
     value = data.get(key)
     if value is None:
         return None
@@ -98,6 +155,8 @@ def _integer(data: dict, key: str, low: int | None) -> int | None:
         raise invalid(f"{key} must be an integer")
     if low is not None and value < low:
         raise invalid(f"{key} must be at least {low}, got {value}")
+    if high is not None and value > high:
+        raise invalid(f"{key} must be at most {high}, got {value}")
     return value
 
 
@@ -138,6 +197,29 @@ def _stop(value) -> tuple[str, ...]:
     return tuple(s for s in value if s)
 
 
+def _logit_bias(data: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias} as (id, bias) pairs, ids in the tokenizer's range."""
+    pairs = []
+    for key, value in _object(data, "logit_bias").items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+            raise invalid(f"logit_bias key {key[:20]!r} must be a token id from 0 to {vocab_size - 1}, as a string")
+        bias = _number({key: value}, key, -LOGIT_BIAS, LOGIT_BIAS, f"logit_bias[{key!r}]")
+        pairs.append((int(key), bias))
+    return tuple(pairs)
+
+
+def _prompt(value, vocab_size: int) -> str | list[int]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]  # one prompt in a list, as some clients send it
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if not all(0 <= t < vocab_size for t in value):
+            raise invalid(f"prompt token ids must be from 0 to {vocab_size - 1}")
+        return value
+    raise invalid("prompt must be a string or a non-empty array of token ids (one prompt per request)")
+
+
 # ---- messages ---------------------------------------------------------------------
 
 
@@ -154,6 +236,8 @@ def _messages(value, max_messages: int) -> list[dict]:
         role = raw.get("role")
         if role not in ROLES:
             raise invalid(f"{where}.role must be one of {', '.join(ROLES)}")
+        if role == "developer":
+            role = "system"
         message = {"role": role, "content": _content(raw, where, nullable=role == "assistant")}
         if (name := _string(raw, "name", f"{where}.name")) is not None:
             message["name"] = name

@@ -1,0 +1,211 @@
+"""Logits processors and log-probabilities against plain PyTorch references, alone and in the decode loop."""
+import math
+
+import pytest
+import torch
+
+from tornchat import prompt
+from tornchat.engine import GenerationRequest, SamplingParams, logprobs, processors
+from tornchat.engine.model import HFRunner
+from tornchat.engine.processors import History
+
+VOCAB = 500
+PROMPT = [3, 7, 7, 42, 99]
+OUTPUT = [7, 11, 11, 11, 42, 250]
+
+
+def random_logits(seed: int = 0) -> torch.Tensor:
+    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 4
+
+
+def history(prompt_ids=PROMPT, output_ids=OUTPUT) -> History:
+    h = History(list(prompt_ids))
+    for token in output_ids:
+        h.append(token)
+    return h
+
+
+# ---- references: one token at a time, the way the semantics are written down -----------
+
+
+def reference_repetition(logits, penalty, ids):
+    out = logits.clone()
+    for token in set(ids):
+        out[token] = out[token] / penalty if out[token] > 0 else out[token] * penalty
+    return out
+
+
+def reference_frequency_presence(logits, frequency, presence, output):
+    out = logits.clone()
+    for token in set(output):
+        out[token] -= output.count(token) * frequency + presence
+    return out
+
+
+def reference_bias(logits, pairs):
+    out = logits.clone()
+    for token, bias in pairs:
+        out[token] += bias
+    return out
+
+
+def reference_min_p(logits, min_p, temperature):
+    probs = torch.softmax(logits / temperature, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+# ---- each processor --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_repetition_penalty_matches_the_reference_over_prompt_and_output(penalty):
+    logits = random_logits()
+    before = logits.clone()
+    out = processors.repetition_penalty(logits, SamplingParams(repetition_penalty=penalty), history())
+    torch.testing.assert_close(out, reference_repetition(before, penalty, PROMPT + OUTPUT))
+    assert torch.equal(logits, before), "the input logits are not written to"
+
+
+@pytest.mark.parametrize("frequency, presence", [(0.5, 0.0), (0.0, 1.5), (2.0, -2.0), (-1.0, 0.7)])
+def test_frequency_and_presence_penalties_match_the_reference_over_the_output(frequency, presence):
+    logits = random_logits(1)
+    params = SamplingParams(frequency_penalty=frequency, presence_penalty=presence)
+    out = processors.frequency_and_presence_penalty(logits, params, history())
+    torch.testing.assert_close(out, reference_frequency_presence(logits, frequency, presence, OUTPUT))
+    assert out[PROMPT[0]] == logits[PROMPT[0]], "prompt tokens are not penalized"
+
+
+def test_logit_bias_matches_the_reference():
+    logits = random_logits(2)
+    pairs = ((5, 100.0), (6, -100.0), (400, 3.5))
+    out = processors.logit_bias(logits, SamplingParams(logit_bias=pairs), history())
+    torch.testing.assert_close(out, reference_bias(logits, pairs))
+
+
+@pytest.mark.parametrize("min_p, temperature", [(0.05, 1.0), (0.1, 0.5), (0.3, 1.7), (1.0, 1.0)])
+def test_min_p_matches_the_reference_on_the_tempered_distribution(min_p, temperature):
+    logits = random_logits(3)
+    out = processors.truncate(logits, SamplingParams(min_p=min_p, temperature=temperature))
+    expected = reference_min_p(logits, min_p, temperature)
+    assert torch.equal(torch.isinf(out), torch.isinf(expected))
+    kept = ~torch.isinf(out)
+    assert torch.equal(out[kept], logits[kept]) and kept[logits.argmax()]
+    assert 0 < int(kept.sum()) < VOCAB or min_p == 1.0
+
+
+def test_min_p_leaves_greedy_requests_and_nan_logits_alone():
+    logits = random_logits(4)
+    assert processors.truncate(logits, SamplingParams(min_p=0.5, temperature=0.0)) is logits
+    assert processors.truncate(logits, SamplingParams(min_p=0.5, top_k=1)) is logits
+    with_nan = logits.clone()
+    with_nan[10] = float("nan")
+    out = processors.truncate(with_nan, SamplingParams(min_p=0.5))
+    assert not torch.isinf(out).any(), "a NaN maximum drops nothing; the sampler counts NaN as -inf"
+
+
+def test_neutral_parameters_cost_nothing():
+    logits, h = random_logits(), history()
+    assert processors.apply(logits, SamplingParams(), h) is logits
+    assert processors.truncate(logits, SamplingParams()) is logits
+    assert h._counts is None and h._seen is None, "no tensor over the history was built"
+
+
+def test_history_tensors_stay_current_after_first_use():
+    logits = random_logits()
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.2)
+    grown = history(output_ids=OUTPUT[:2])
+    processors.apply(logits, params, grown)  # builds the tensors from the first two ids
+    for token in OUTPUT[2:]:
+        grown.append(token)
+    torch.testing.assert_close(processors.apply(logits, params, grown), processors.apply(logits, params, history()))
+
+
+def test_processors_run_in_the_documented_order():
+    logits = random_logits(5)
+    pairs = ((7, 2.0), (300, -1.0))
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3, logit_bias=pairs)
+    expected = reference_repetition(logits, 1.5, PROMPT + OUTPUT)
+    expected = reference_frequency_presence(expected, 0.4, 0.3, OUTPUT)
+    expected = reference_bias(expected, pairs)
+    torch.testing.assert_close(processors.apply(logits, params, history()), expected)
+    assert [p.__name__ for p in processors.PROCESSORS] == ["repetition_penalty", "frequency_and_presence_penalty", "logit_bias"]
+
+
+# ---- log-probabilities -----------------------------------------------------------------
+
+
+def test_logprobs_are_log_softmax_of_the_raw_logits():
+    logits = random_logits(6)
+    lp = logprobs.distribution(logits)
+    torch.testing.assert_close(lp, torch.log_softmax(logits, dim=-1))
+    entry = logprobs.for_token(lp, 17, 5)
+    assert entry.token_id == 17 and entry.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[17]))
+    values, ids = torch.topk(torch.log_softmax(logits, -1), 5)
+    assert [t for t, _ in entry.top] == ids.tolist()
+    assert [v for _, v in entry.top] == pytest.approx(values.tolist())
+    assert logprobs.for_token(lp, 17, 0).top == ()
+
+
+def test_impossible_tokens_get_the_floor_and_nan_counts_as_minus_infinity():
+    logits = random_logits(7)
+    logits[3], logits[4] = float("-inf"), float("nan")
+    lp = logprobs.distribution(logits)
+    for token in (3, 4):
+        assert logprobs.for_token(lp, token, 0).logprob == logprobs.FLOOR
+    assert math.isfinite(logprobs.for_token(lp, 5, 0).logprob)
+    assert math.isclose(float(torch.logsumexp(lp, -1)), 0.0, abs_tol=1e-5)
+
+
+# ---- in the decode loop (the tiny random model) -------------------------------------------
+
+
+def ask(tokenizer):
+    return prompt.encode(tokenizer, prompt.render(tokenizer, [{"role": "user", "content": "Count to five."}]))
+
+
+def events(engine, ids, **kwargs):
+    return list(engine.generate(GenerationRequest(list(ids), **kwargs)))
+
+
+def test_events_carry_one_logprob_per_token_only_when_asked(tiny_engine, tokenizer):
+    ids = ask(tokenizer)
+    greedy = SamplingParams(temperature=0.0)
+    plain = events(tiny_engine, ids, sampling=greedy, max_tokens=12)
+    assert all(e.logprobs == () for e in plain)
+    asked = events(tiny_engine, ids, sampling=greedy, max_tokens=12, logprobs=3)
+    assert [e.token_ids for e in asked] == [e.token_ids for e in plain]
+    entries = [entry for e in asked for entry in e.logprobs]
+    assert [entry.token_id for entry in entries] == [t for e in asked for t in e.token_ids]
+    for entry in entries:
+        assert len(entry.top) == 3 and entry.top[0][0] == entry.token_id, "greedy picks the most likely token"
+        assert entry.logprob == pytest.approx(entry.top[0][1])
+
+
+def test_logprobs_are_the_models_before_bias_and_temperature(tiny_model, tiny_engine, tokenizer):
+    ids = ask(tokenizer)
+    runner = HFRunner(tiny_model)
+    raw = torch.log_softmax(runner.forward(ids, runner.new_cache()), dim=-1)
+    favourite = int(raw.argmax())
+    params = SamplingParams(temperature=0.0, logit_bias=((favourite, -100.0),))
+    first = next(e for e in events(tiny_engine, ids, sampling=params, max_tokens=1, logprobs=1) if e.logprobs).logprobs[0]
+    assert first.token_id != favourite and first.top[0][0] == favourite, "the bias steered the sampler, not the report"
+    assert first.logprob == pytest.approx(float(raw[first.token_id]), abs=1e-4)
+    hot = SamplingParams(temperature=1.9, top_k=5, seed=3)
+    sampled = next(e for e in events(tiny_engine, ids, sampling=hot, max_tokens=1, logprobs=0) if e.logprobs).logprobs[0]
+    assert sampled.logprob == pytest.approx(float(raw[sampled.token_id]), abs=1e-4)
+
+
+def test_logit_bias_and_penalties_steer_the_decode_loop(tiny_engine, tokenizer):
+    ids = ask(tokenizer)
+
+    def tokens(**params):
+        return [t for e in events(tiny_engine, ids, sampling=SamplingParams(temperature=0.0, **params), max_tokens=8) for t in e.token_ids]
+
+    plain = tokens()
+    assert len(set(plain)) == 1, "the random model repeats one token (a newline, which the prompt has too)"
+    forced = tokenizer.convert_tokens_to_ids("Ġhello")
+    assert tokens(logit_bias=((forced, 100.0),)) == [forced] * 8
+    penalized = tokens(frequency_penalty=2.0, presence_penalty=2.0)
+    assert penalized[0] == plain[0], "frequency and presence count the output only"
+    assert len(set(penalized)) == len(penalized)
+    assert tokens(repetition_penalty=2.0)[0] != plain[0], "repetition_penalty counts the prompt too"
