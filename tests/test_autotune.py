@@ -246,8 +246,15 @@ def test_a_quantized_ggufs_blocks_are_a_format_whose_inputs_are_timed(tmp_path, 
     from tornchat.weights import gguf_file
 
     config, weights = gguf_file.load(checkpoint.default_gguf_path())
-    fake_machine(monkeypatch, {("packed", "bf16"): 5.0, ("packed", "fp32"): 40.0})
+    # The embedded model's head is Q8_0, so int8; rounding it onto int4 is a candidate, whose quality decides.
+    fake_machine(monkeypatch, {("packed", "bf16"): 5.0, ("packed", "fp32"): 40.0, ("packed-int4-head", "bf16"): 4.0},
+                 quality={("packed-int4-head", "bf16"): 0.08})
     runner, choice = autotune.choose(config, weights, "packed", IDS, tmp_path / "d.json", "gguf", gate=True)
     assert choice.format == Format("packed", "bf16") and runner.layers[0].w13.packed is weights.layers[0].w13.packed
-    assert quant.input_dtype(runner.layers[0].w13) == torch.bfloat16
-    assert [f.inputs for f in autotune.candidates("packed", int4_fits=True)] == ["bf16", "fp32"]
+    assert quant.input_dtype(runner.layers[0].w13) == torch.bfloat16 and isinstance(runner.head, quant.Int8Weight)
+    assert [f.quantize for f in autotune.candidates("packed", True, int8_layers=True, int8_head=True)] == [
+        "packed", "packed", "packed-int4", "packed-int4-head"]
+    narrowed = Format("packed-int4-head", "bf16").runner(config, weights)
+    assert isinstance(narrowed.head, quant.Int4Weight) and narrowed.weights.embed is narrowed.head
+    step = narrowed.head.dequantize(torch.float32) - weights.head.dequantize(torch.float32)
+    assert step.abs().max() < weights.head.dequantize(torch.float32).abs().max() / 7  # half an int4 step at most

@@ -72,16 +72,34 @@ class Format:
     def runner(self, config: LlamaConfig, weights: LlamaWeights, keep: bool = True) -> LlamaRunner:
         """A runner over weights in this format: packed from plain ones (given up unless ``keep``), or, for
         ``packed``, the packed weights fed this format's inputs."""
-        inputs = DTYPES[self.inputs]
-        if self.quantize == "packed":
-            weights = LlamaWeights(weights.embed, [layer.packed(lambda w: quant.fed(w, inputs)) for layer in weights.layers],
-                                   weights.final_norm, quant.fed(weights.head, inputs))
+        if self.quantize.startswith("packed"):
+            pack_layer, pack_head = self.packers()
+            head = pack_head(weights.head)
+            readable = quant.dequantize(head, torch.float32, torch.zeros(1, dtype=torch.long)) is not None
+            embed = head if weights.embed is weights.head and readable else weights.embed
+            weights = LlamaWeights(embed, [layer.packed(pack_layer) for layer in weights.layers], weights.final_norm, head)
         else:
-            weights = pack(weights, self.quantize, inputs, keep=keep)
+            weights = pack(weights, self.quantize, DTYPES[self.inputs], keep=keep)
         runner = LlamaRunner(config, weights, kv_dtype=DTYPES[self.kv], prefill_from=self.prefill_from,
                              prefill_dtype=None if self.prefill == "kernels" else DTYPES[self.prefill])
         runner.format = self
         return runner
+
+    def packers(self):
+        """(pack a layer matrix, pack the output projection) into this format: from plain weights, or from
+        weights packed while loading (fed this format's inputs, int8 ones rounded onto int4 if it says so)."""
+        inputs = DTYPES[self.inputs]
+        if not self.quantize.startswith("packed"):
+            pack_layer, pack_head = packers(self.quantize, inputs)
+            return pack_layer or (lambda w: w), pack_head or (lambda w: w)
+
+        def as_loaded(w):
+            return quant.fed(w, inputs)
+
+        def narrowed(w):
+            return quant.narrowed(w, inputs)
+
+        return (as_loaded if self.quantize == "packed" else narrowed), (narrowed if self.quantize == "packed-int4-head" else as_loaded)
 
 
 @dataclass
@@ -97,11 +115,17 @@ class NoFormat(Exception):
     """No candidate runs on this CPU for the requested --quantize; the message is one line."""
 
 
-def candidates(requested: str, int4_fits: bool) -> list[Format]:
-    """Formats to time for --quantize requested (auto: all; file: a quantized GGUF's blocks), before the
-    cache's dtype is picked."""
+def candidates(requested: str, int4_fits: bool, int8_layers: bool = False, int8_head: bool = False) -> list[Format]:
+    """Formats to time for --quantize requested (auto: all; packed: weights packed while loading), before the
+    cache's dtype is picked. Packed weights holding int8 matrices (a GGUF's 5-, 6- and 8-bit blocks) may also
+    be rounded onto int4, fewer bytes a step, where the quality gate lets them."""
     if requested == "packed":
-        return [Format("packed", inputs="bf16"), Format("packed", inputs="fp32")]
+        found = [Format("packed", inputs="bf16"), Format("packed", inputs="fp32")]
+        if int8_layers:
+            found.append(Format("packed-int4", inputs="bf16"))
+        if int8_head:
+            found.append(Format("packed-int4-head", inputs="bf16"))
+        return found
     modes = QUANTIZE if requested == "auto" else (requested,)
     found = []
     for mode in modes:
@@ -130,11 +154,7 @@ def _seconds(fn, repeats: int = 7, calls: int = 10) -> float:
 def time_matmuls(fmt: Format, base: LlamaRunner) -> float:
     """Seconds per token of a decode step's matmuls in fmt: one layer's matrices packed and timed, times the
     layer count, plus the output projection. Raises RuntimeError where a kernel does not run on this CPU."""
-    if fmt.quantize == "packed":
-        pack_layer = pack_head = lambda w: quant.fed(w, DTYPES[fmt.inputs])  # noqa: E731
-    else:
-        pack_layer, pack_head = packers(fmt.quantize, DTYPES[fmt.inputs])
-        pack_layer, pack_head = pack_layer or (lambda w: w), pack_head or (lambda w: w)
+    pack_layer, pack_head = fmt.packers()
     total = 0.0
     for matrix in base.layers[0].matrices():
         weight = pack_layer(matrix)
@@ -283,9 +303,10 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
     started = time.perf_counter()
     base = LlamaRunner(config, weights)  # the shapes to time, and for plain weights the quality reference
     int4_fits = all(quant.supports(m, 32) for m in base.layers[0].matrices() if isinstance(m, torch.Tensor))
+    int8_layers = any(isinstance(m, quant.Int8Weight) for layer in base.layers for m in layer.matrices())
     bf16_cache, attention_ms = bf16_cache_pays(base)
     estimates = {}
-    for fmt in candidates(requested, int4_fits):
+    for fmt in candidates(requested, int4_fits, int8_layers, isinstance(base.head, quant.Int8Weight)):
         if fmt.quantize != "none":  # none stays the model's own weights throughout: the reference
             fmt = replace(fmt, kv="bf16" if bf16_cache else "fp32")
         try:

@@ -241,6 +241,14 @@ def dequantize(w: Weight, dtype: torch.dtype, rows: torch.Tensor | None = None) 
     return w.dequantize(dtype, rows)
 
 
+def narrowed(w: Weight, inputs: torch.dtype, group_size: int = 32) -> Weight:
+    """int8 weights rounded onto int4 groups (from their values: half an int8 step off at most), fed inputs of
+    dtype ``inputs``; other weights as they are, fed ``inputs``."""
+    if isinstance(w, Int8Weight) and supports(w.values, group_size):
+        return quantize_int4(w.dequantize(torch.float32), group_size, inputs)
+    return fed(w, inputs)
+
+
 def fed(w: Weight, inputs: torch.dtype) -> Weight:
     """The same int4 or int8 weights fed inputs of another dtype (their scales cast); others as they are."""
     if isinstance(w, Int4Weight):
