@@ -1,7 +1,8 @@
 """The decode loop: prefill what the slot lacks, then one token per step.
 
 Everything a researcher changes when tweaking decoding lives here, on one
-screen: the forward calls, the sampler call, and the stop checks.
+screen: the forward calls, the grammar mask (structured outputs), the sampler
+call, and the stop checks.
 """
 import secrets
 from collections.abc import Callable
@@ -67,6 +68,9 @@ def generate(
         top_p = torch.tensor([params.top_p], dtype=torch.float32, device=device)
         seed = torch.tensor([secrets.randbits(62) if params.seed is None else params.seed], dtype=torch.int64, device=device)
 
+        grammar = request.grammar
+        if grammar is not None:
+            grammar.fill_mask()
         detok, stops = Detokenizer(tokenizer), StopMatcher(request.stop)
         generated: list[int] = []
         unsent: list[int] = []  # ids whose text has not been emitted yet
@@ -74,22 +78,27 @@ def generate(
         for step in range(budget):
             if cancelled():
                 return
+            if grammar is not None:
+                logits = grammar.apply(logits)  # tokens that leave the grammar: -inf
             token_ids, _ = sample(logits[None, :], temperature, top_k, top_p, seed, step)
             token = int(token_ids[0])
             generated.append(token)
             if token in stop_token_ids:
                 finish_reason = "stop"
                 break
+            grammar_done = grammar is not None and grammar.consume(token)
             unsent.append(token)
             text, hit_stop_string = stops.push(detok.push(token))
             if text:
                 emit(Event(text=text, token_ids=tuple(unsent)))
                 unsent.clear()
-            if hit_stop_string:
+            if hit_stop_string or grammar_done:
                 finish_reason = "stop"
                 break
             if step + 1 < budget:
                 logits = runner.forward([token], slot.cache, decode=True)
+                if grammar is not None:
+                    grammar.fill_mask()  # on CUDA, while the forward's kernels run
                 slot.tokens.append(token)
                 counters["decode_steps"] += 1
         if not hit_stop_string and (rest := stops.flush()):

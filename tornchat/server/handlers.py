@@ -11,6 +11,7 @@ from tornado.queues import Queue
 from tornado.web import HTTPError, RequestHandler, stream_request_body
 
 from tornchat import MODEL_ID, functions, prompt
+from tornchat.engine.grammar import Grammar, GrammarError
 from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, QueueFull
 from tornchat.functions import Piece
 from tornchat.server import auth, openapi, replies, sse, stats, validate
@@ -168,13 +169,14 @@ class ChatCompletionsHandler(BaseHandler):
             raise self._too_large(self.body_size)
         request = validate.chat_request(validate.parse_body(b"".join(self.chunks)), self.config.max_messages)
         tokenizer = self.engine.tokenizer
-        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice)
+        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice, request.response_format)
         generation = GenerationRequest(
             prompt_ids=prompt.encode(tokenizer, plan.prompt),
             sampling=request.sampling,
             max_tokens=request.max_tokens,
             max_length=request.max_length,
             stop=request.stop + plan.stops,
+            grammar=self._grammar(plan.grammar),
         )
         self.events: Queue[Event | None] = Queue()
         loop = IOLoop.current()
@@ -195,6 +197,14 @@ class ChatCompletionsHandler(BaseHandler):
                 await self._complete(reply, plan.parser)
         finally:
             in_flight.discard(self)
+
+    def _grammar(self, lark: str | None) -> Grammar | None:
+        if lark is None:
+            return None
+        try:
+            return self.settings["grammars"].compile(lark)
+        except GrammarError as exc:  # each schema compiled alone (validate); together they should too
+            raise invalid(f"functions / response_format: the schemas cannot be enforced together: {exc}") from None
 
     async def _complete(self, reply: replies.Reply, parser) -> None:
         async for event in self._events():
