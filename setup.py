@@ -43,6 +43,7 @@ setup(
         "triton==3.9.0",
         "pyyaml>=6",
         "prometheus-client>=0.20",
+        "llguidance==1.9.1",  # grammar-constrained decoding (structured outputs, function calls)
     ],
     extras_require={
         "test": ["pytest>=8", "openai>=1.40", "hypothesis>=6", "jsonschema>=4.18", "psutil>=5"],

@@ -288,7 +288,9 @@ def _response_format(value) -> Format:
         raise invalid('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}')
     if value["type"] != "json_schema":
         return Format(value["type"])
-    spec = _object(value, "json_schema", "response_format.json_schema")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid("response_format.json_schema must be an object with name and schema")
     name = _string(spec, "name", "response_format.json_schema.name", required=True)
     if not FUNCTION_NAME.match(name):
         raise invalid("response_format.json_schema.name must be 1-64 letters, digits, underscores or dashes")
