@@ -63,6 +63,7 @@ class Grammar:
         self.vocab_size = vocab_size
         # Pinned where CUDA is present, so the copy to the device does not wait for the host.
         self.bitmask = allocate_token_bitmask(1, vocab_size)
+        self.bits = _BITS  # moved to the logits' device once
 
     def fill_mask(self) -> None:
         """Compute the allowed tokens on the CPU (llguidance drops the GIL meanwhile).
@@ -75,8 +76,12 @@ class Grammar:
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] with the tokens the grammar does not allow at -inf."""
+        if self.bits.device != logits.device:
+            self.bits = _BITS.to(logits.device)
+        # The copy is ordered before the sampler's kernels; the sampled token's readback then waits for both,
+        # so the next fill_mask never overwrites words still on their way.
         words = self.bitmask[0].to(logits.device, non_blocking=True)
-        allowed = (words[:, None] & _BITS.to(logits.device)).ne(0).flatten()[: min(self.vocab_size, logits.shape[-1])]
+        allowed = (words[:, None] & self.bits).ne(0).flatten()[: min(self.vocab_size, logits.shape[-1])]
         if allowed.numel() < logits.shape[-1]:  # rows past the tokenizer's vocabulary (padding) are never text
             allowed = torch.cat([allowed, allowed.new_zeros(logits.shape[-1] - allowed.numel())])
         return logits.masked_fill(~allowed, float("-inf"))
