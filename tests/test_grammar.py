@@ -151,6 +151,14 @@ def test_random_model_writes_valid_json_and_stops(tiny_engine, compiler, seed):
     assert last.finish_reason == "stop" and "\n" not in text
 
 
+def test_format_instructions_join_the_system_message(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}] + ASK
+    plan = functions.plan(tokenizer, messages, [], fmt=Format("json_schema", FORECAST, "forecast"))
+    assert plan.prompt.count("<|im_start|>system") == 1
+    assert "Be brief.\n\nAnswer with one JSON object that matches this JSON schema (forecast):\n" + json.dumps(FORECAST) in plan.prompt
+    assert functions.plan(tokenizer, messages, [], fmt=Format("text")) == functions.plan(tokenizer, messages, [])
+
+
 def test_json_object_is_one_object(tiny_engine, compiler):
     plan = functions.plan(tiny_engine.tokenizer, ASK, [], fmt=Format("json_object"))
     text, last = generate(tiny_engine, compiler, plan, seed=7, max_tokens=200)

@@ -182,6 +182,8 @@ def _react_calls(functions: list[dict]) -> str:
 
 def _react_grammar(functions: list[dict], fmt: Format) -> str | None:
     """After ``Thought:``: free lines, until an ``Action:`` line starts a call or a final answer in fmt."""
+    if not (functions or fmt.json):
+        return None
     rules = [f"TEXT: {ANY_TEXT}"]
     starts = []
     if functions:
@@ -192,8 +194,6 @@ def _react_grammar(functions: list[dict], fmt: Format) -> str | None:
         starts.append(f"answer_head {_answer(fmt)}")
     else:
         starts.append("TEXT")
-    if starts == ["TEXT"]:
-        return None
     return "\n".join([f"start: {' | '.join(starts)}", *rules])
 
 
