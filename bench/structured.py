@@ -9,6 +9,10 @@ Through the real server and the OpenAI SDK:
 - 4 response_format json_schema schemas (nested objects, enums, arrays of
   integers, booleans) at temperature 0 and 1.0: how many replies parse and
   validate, and whether the streamed reply equals the plain one (same seed).
+  Each setting is sent three times: plain, plain again and streamed. The
+  first finds the KV slot cold; the other two both find the slot the first
+  left (the whole prompt cached), so "streamed = plain" compares like with
+  like, and "warm = cold" shows what KV reuse alone changes.
 
 Then, in this process, the grammar's cost per token on this CPU: filling the
 mask, applying it to the logits and consuming the token, replayed over the
@@ -174,7 +178,7 @@ def format_rows(client, seeds: int) -> tuple[list[dict], list[str]]:
     for title, schema in FORMATS.items():
         for temperature in (0.0, 1.0):
             runs = [s for s in settings(seeds) if s[0] == temperature]
-            ok = same = 0
+            ok = same = reused_same = 0
             examples = []
             for _, seed in runs:
                 request = dict(
@@ -182,30 +186,35 @@ def format_rows(client, seeds: int) -> tuple[list[dict], list[str]]:
                     seed=seed if seed is not None else 0, max_tokens=MAX_TOKENS,
                     response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}},
                 )
+                cold = client.chat.completions.create(**request).choices[0].message.content
                 content = client.chat.completions.create(**request).choices[0].message.content
                 chunks = client.chat.completions.create(**request, stream=True)
                 streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
                 ok += valid(content, schema)
                 same += streamed == content
+                reused_same += content == cold
                 examples.append(content)
                 replies.append(content)
             rows.append({"schema": title, "temperature": temperature, "valid": ok, "replies": len(runs),
-                         "streamed_equal": same, "example": examples[0]})
+                         "streamed_equal": same, "warm_equals_cold": reused_same, "example": examples[0]})
             print(rows[-1], flush=True)
     return rows, replies
 
 
 def mask_cost(plans_and_texts: list[tuple[str, str]]) -> dict:
-    """Median microseconds per token to fill the mask, apply it to fp32 logits and consume the token."""
+    """Median microseconds per token to fill the mask, apply it to fp32 logits and consume the token.
+
+    A grammar's first mask is timed apart: llguidance builds lexer states as it meets them.
+    """
     loaded = checkpoint.load(str(checkpoint.resolve(None)))
     tokenizer = loaded.tokenizer
     compiler = Compiler(tokenizer)
     vocab = loaded.model.config.vocab_size
-    fill, apply, consume = [], [], []
+    fill, apply, consume, first = [], [], [], []
     for lark, text in plans_and_texts:
         grammar = compiler.compile(lark)
         logits = torch.randn(vocab)
-        for token in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        for i, token in enumerate(tokenizer(text, add_special_tokens=False)["input_ids"]):
             t0 = time.perf_counter()
             grammar.fill_mask()
             t1 = time.perf_counter()
@@ -213,6 +222,9 @@ def mask_cost(plans_and_texts: list[tuple[str, str]]) -> dict:
             t2 = time.perf_counter()
             done = grammar.consume(token)
             t3 = time.perf_counter()
+            if i == 0:
+                first.append(t3 - t0)
+                continue
             fill.append(t1 - t0)
             apply.append(t2 - t1)
             consume.append(t3 - t2)
@@ -221,24 +233,30 @@ def mask_cost(plans_and_texts: list[tuple[str, str]]) -> dict:
     us = lambda xs: round(statistics.median(xs) * 1e6, 1)  # noqa: E731
     total = [a + b + c for a, b, c in zip(fill, apply, consume)]
     return {"tokens": len(fill), "fill_us": us(fill), "apply_us": us(apply), "consume_us": us(consume), "total_us": us(total),
-            "p99_total_us": round(sorted(total)[int(0.99 * (len(total) - 1))] * 1e6, 1), "vocab": vocab}
+            "p99_total_us": round(sorted(total)[int(0.99 * (len(total) - 1))] * 1e6, 1), "first_token_us": us(first),
+            "grammars": len(first), "vocab": vocab}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3, help="temperature-1.0 runs per row (temperature 0 runs once)")
     parser.add_argument("--out", default="bench/results/structured.json")
+    parser.add_argument("--calls-from", help="take the function-call rows from this earlier result instead of rerunning them")
     args = parser.parse_args()
     with servers.running() as server:
         client = openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=600)
-        calls, call_texts = function_rows(client, args.seeds)
+        if args.calls_from:
+            earlier = json.loads(Path(args.calls_from).read_text())
+            calls, call_texts = earlier["calls"], earlier.get("call_texts", [])  # older results kept no texts to replay
+        else:
+            calls, call_texts = function_rows(client, args.seeds)
         formats, format_texts = format_rows(client, args.seeds)
     # Replay each reply under its schema's grammar.
     replay = [(f"start: {json_value(f['parameters'])}", text) for f in FUNCTIONS for text in call_texts if valid(text, f["parameters"])]
     replay += [(f"start: {json_value(s)}", text) for s in FORMATS.values() for text in format_texts if valid(text, s)]
     cost = mask_cost(replay)
     print(cost)
-    result = {"cpu": describe(), "calls": calls, "formats": formats, "mask": cost}
+    result = {"cpu": describe(), "calls": calls, "formats": formats, "mask": cost, "call_texts": call_texts}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print_tables(result)
@@ -249,12 +267,14 @@ def print_tables(result: dict) -> None:
     print("| function | choice | temperature | valid / calls | example arguments |\n|---|---|---|---|---|")
     for r in result["calls"]:
         print(f"| `{r['function']}` | {r['choice']} | {r['temperature']:g} | {r['valid']} / {r['calls']} | `{r['example']}` |")
-    print("\n| response_format schema | temperature | valid / replies | streamed = plain | example |\n|---|---|---|---|---|")
+    print("\n| response_format schema | temperature | valid / replies | streamed = plain | warm = cold | example |\n|---|---|---|---|---|---|")
     for r in result["formats"]:
-        print(f"| {r['schema']} | {r['temperature']:g} | {r['valid']} / {r['replies']} | {r['streamed_equal']} / {r['replies']} | `{r['example']}` |")
+        n = r["replies"]
+        print(f"| {r['schema']} | {r['temperature']:g} | {r['valid']} / {n} | {r['streamed_equal']} / {n} | {r['warm_equals_cold']} / {n} | `{r['example']}` |")
     m = result["mask"]
     print(f"\nmask per token (median of {m['tokens']}, vocabulary {m['vocab']}): fill {m['fill_us']} us, "
-          f"apply {m['apply_us']} us, consume {m['consume_us']} us, total {m['total_us']} us (p99 {m['p99_total_us']} us)")
+          f"apply {m['apply_us']} us, consume {m['consume_us']} us, total {m['total_us']} us (p99 {m['p99_total_us']} us); "
+          f"a grammar's first token: {m['first_token_us']} us (median of {m['grammars']})")
 
 
 if __name__ == "__main__":
