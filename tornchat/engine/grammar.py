@@ -10,6 +10,7 @@ is complete and allows nothing more, the generation ends.
 import json
 
 import llguidance.hf
+import numpy as np
 import torch
 from llguidance import LLMatcher
 from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
@@ -18,9 +19,6 @@ from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 # whitespace, so that a small model cannot run away into blank lines.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_TEXT = r"/(.|\n)*/"
-
-# Bit i of a mask word, as int32 (bit 31 is the sign bit).
-_BITS = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
 
 
 class GrammarError(ValueError):
@@ -61,9 +59,8 @@ class Grammar:
     def __init__(self, matcher: LLMatcher, vocab_size: int):
         self.matcher = matcher
         self.vocab_size = vocab_size
-        # Pinned where CUDA is present, so the copy to the device does not wait for the host.
-        self.bitmask = allocate_token_bitmask(1, vocab_size)
-        self.bits = _BITS  # moved to the logits' device once
+        self.bitmask = allocate_token_bitmask(1, vocab_size)  # llguidance's: one bit per token
+        self.allowed = torch.ones(vocab_size, dtype=torch.bool)  # one bool per token, from the last fill_mask
 
     def fill_mask(self) -> None:
         """Compute the allowed tokens on the CPU (llguidance drops the GIL meanwhile).
@@ -73,18 +70,17 @@ class Grammar:
         while they run.
         """
         fill_next_token_bitmask(self.matcher, self.bitmask)
+        # One bool per token, unpacked here by numpy on this thread, so that apply is a single torch op
+        # (each torch op over the vocabulary is a parallel region, which a busy CPU makes slow).
+        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+        self.allowed = torch.from_numpy(bits.view(np.bool_))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] with the tokens the grammar does not allow at -inf."""
-        if self.bits.device != logits.device:
-            self.bits = _BITS.to(logits.device)
-        # The copy is ordered before the sampler's kernels; the sampled token's readback then waits for both,
-        # so the next fill_mask never overwrites words still on their way.
-        words = self.bitmask[0].to(logits.device, non_blocking=True)
-        allowed = (words[:, None] & self.bits).ne(0).flatten()[: min(self.vocab_size, logits.shape[-1])]
+        allowed = self.allowed[: logits.shape[-1]].to(logits.device, non_blocking=True)
         if allowed.numel() < logits.shape[-1]:  # rows past the tokenizer's vocabulary (padding) are never text
             allowed = torch.cat([allowed, allowed.new_zeros(logits.shape[-1] - allowed.numel())])
-        return logits.masked_fill(~allowed, float("-inf"))
+        return torch.where(allowed, logits, float("-inf"))
 
     def consume(self, token: int) -> bool:
         """Advance past the sampled token; True when the grammar is complete and allows nothing more."""
