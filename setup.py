@@ -47,6 +47,7 @@ setup(
         "triton==3.9.0",
         "pyyaml>=6",
         "prometheus-client>=0.20",
+        "llguidance==1.9.1",  # grammar-constrained decoding (structured outputs, function calls)
     ],
     extras_require={
         # playwright drives the system Chromium (apt-get install chromium) in tests/test_web*.py.

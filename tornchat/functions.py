@@ -10,6 +10,14 @@ Forcing a call ends the prompt with the start of the call, so the model only
 writes what is left: the arguments for a named function, the name and
 arguments for "required".
 
+Every plan that can produce a call or must produce JSON carries a grammar
+(``tornchat.engine.grammar``) for the text after the prompt: a forced call's
+name is one of the functions offered and its arguments follow that
+function's ``parameters`` schema; with "auto", once the model starts a call
+(``Action:`` or ``<tool_call>``) the same holds; ``response_format`` JSON
+constrains the reply (or the ReAct final answer) to its schema, which the
+prompt also shows the model.
+
 Both parsers are incremental: they turn generated text into ``Piece``s of
 content, call name and call arguments as it arrives, holding back only what
 is still ambiguous. A whole reply is the same pieces concatenated, so a
@@ -19,6 +27,7 @@ import json
 from dataclasses import dataclass
 
 from tornchat import prompt
+from tornchat.engine.grammar import ANY_TEXT, json_value, literal
 
 THOUGHT, ACTION, ACTION_INPUT, OBSERVATION, FINAL_ANSWER = (
     "Thought:",
@@ -46,6 +55,8 @@ Final Answer: the answer to the user
 Begin!"""
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+ANY_OBJECT = {"type": "object"}
+NO_PARAMETERS = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
@@ -61,19 +72,39 @@ class Choice:
     name: str | None = None  # the function a "named" choice forces
 
 
+@dataclass(frozen=True)
+class Format:
+    """response_format: "text", "json_object" or "json_schema" (with the schema and its name)."""
+
+    type: str = "text"
+    schema: dict | None = None
+    name: str | None = None
+
+    @property
+    def json(self) -> bool:
+        return self.type != "text"
+
+    def instructions(self) -> str:
+        """What the prompt tells the model, as OpenAI does, so that it knows what to write."""
+        if self.schema is None:
+            return "Answer with one JSON object."
+        return f"Answer with one JSON object that matches this JSON schema ({self.name}):\n{json.dumps(self.schema)}"
+
+
 @dataclass
 class Plan:
     prompt: str
     stops: tuple[str, ...]  # added to the request's own stop strings
     parser: "ReActParser | TaggedParser | None"  # None: all generated text is content
+    grammar: str | None = None  # Lark text (tornchat.engine.grammar) for everything generated; None: free
 
 
 def supports_tools(tokenizer) -> bool:
     return "tools" in (getattr(tokenizer, "chat_template", None) or "")
 
 
-def plan(tokenizer, messages: list[dict], functions: list[dict], choice: Choice = Choice()) -> Plan:
-    """Prompt text, extra stop strings and a parser for one request.
+def plan(tokenizer, messages: list[dict], functions: list[dict], choice: Choice = Choice(), fmt: Format = Format()) -> Plan:
+    """Prompt text, extra stop strings, a parser and a grammar for one request.
 
     ``messages`` are validated dicts: role, content (a string), and
     function_call ({name, arguments}) / tool_calls / tool_call_id where
@@ -81,10 +112,32 @@ def plan(tokenizer, messages: list[dict], functions: list[dict], choice: Choice 
     """
     offered = functions if choice.mode != "none" else []
     if supports_tools(tokenizer):
-        return _native_plan(tokenizer, messages, offered, choice)
+        return _native_plan(tokenizer, messages, offered, choice, fmt)
     if not offered and not any(_calls(m) or m["role"] in ("function", "tool") for m in messages):
-        return Plan(prompt.render(tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages]), (), None)
-    return _react_plan(tokenizer, messages, offered, choice)
+        turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+        if not fmt.json:
+            return Plan(prompt.render(tokenizer, turns), (), None)
+        return Plan(prompt.render(tokenizer, _instruct(turns, fmt.instructions())), (), None, f"start: {_answer(fmt)}")
+    return _react_plan(tokenizer, messages, offered, choice, fmt)
+
+
+def _instruct(turns: list[dict], instructions: str) -> list[dict]:
+    """Turns with instructions at the end of the system message (one is added if there is none)."""
+    if turns[0]["role"] == "system":
+        return [{**turns[0], "content": turns[0]["content"] + "\n\n" + instructions}, *turns[1:]]
+    return [{"role": "system", "content": instructions}, *turns]
+
+
+def _answer(fmt: Format) -> str:
+    return json_value(fmt.schema or ANY_OBJECT)
+
+
+def _arguments(function: dict) -> str:
+    return json_value(function.get("parameters") or NO_PARAMETERS)
+
+
+def _named(functions: list[dict], name: str) -> dict:
+    return next(f for f in functions if f["name"] == name)
 
 
 def _calls(message: dict) -> list[dict]:
@@ -97,16 +150,14 @@ def _calls(message: dict) -> list[dict]:
 # ---- ReAct prompt -----------------------------------------------------------------
 
 
-def _react_plan(tokenizer, messages: list[dict], functions: list[dict], choice: Choice) -> Plan:
+def _react_plan(tokenizer, messages: list[dict], functions: list[dict], choice: Choice, fmt: Format) -> Plan:
     turns = _react_turns(messages)
     if functions:
-        instructions = REACT_INSTRUCTIONS.format(
+        turns = _instruct(turns, REACT_INSTRUCTIONS.format(
             tools="\n\n".join(_describe(f) for f in functions), names=", ".join(f["name"] for f in functions)
-        )
-        if turns[0]["role"] == "system":
-            turns[0]["content"] += "\n\n" + instructions
-        else:
-            turns.insert(0, {"role": "system", "content": instructions})
+        ))
+    if fmt.json:
+        turns = _instruct(turns, fmt.instructions())
     # A conversation that ends with a function result continues the
     # assistant's turn (the next line after an Observation) instead of
     # opening a new one.
@@ -114,13 +165,36 @@ def _react_plan(tokenizer, messages: list[dict], functions: list[dict], choice: 
     text = prompt.render(tokenizer, turns) + open_turn
     stops = (OBSERVATION,)
     if choice.mode == "named" and functions:
-        return Plan(f"{text}{ACTION} {choice.name}\n{ACTION_INPUT}", stops, ReActParser("arguments", choice.name))
+        grammar = f"start: {literal(' ')} {_arguments(_named(functions, choice.name))}"
+        return Plan(f"{text}{ACTION} {choice.name}\n{ACTION_INPUT}", stops, ReActParser("arguments", choice.name), grammar)
     names = tuple(f["name"] for f in functions)
     if choice.mode == "required" and functions:
-        return Plan(text + ACTION, stops, ReActParser("name", names=names))
+        return Plan(text + ACTION, stops, ReActParser("name", names=names), f"start: {_react_calls(functions)}")
     if functions or open_turn:
-        return Plan(text + THOUGHT, stops, ReActParser("thought", names=names))
-    return Plan(text, (), None)
+        return Plan(text + THOUGHT, stops, ReActParser("thought", names=names), _react_grammar(functions, fmt))
+    return Plan(text, (), None, f"start: {_answer(fmt)}" if fmt.json else None)
+
+
+def _react_calls(functions: list[dict]) -> str:
+    """After ``Action:``: an offered name, then ``Action Input:`` and arguments that fit its schema."""
+    return " | ".join(literal(" " + f["name"] + "\n" + ACTION_INPUT + " ") + " " + _arguments(f) for f in functions)
+
+
+def _react_grammar(functions: list[dict], fmt: Format) -> str | None:
+    """After ``Thought:``: free lines, until an ``Action:`` line starts a call or a final answer in fmt."""
+    if not (functions or fmt.json):
+        return None
+    rules = [f"TEXT: {ANY_TEXT}"]
+    starts = []
+    if functions:
+        rules += ["call_head[lazy]: TEXT " + literal("\n" + ACTION), f"call: {_react_calls(functions)}"]
+        starts.append("call_head call")
+    if fmt.json:
+        rules.append("answer_head[lazy]: TEXT " + literal("\n" + FINAL_ANSWER + " "))
+        starts.append(f"answer_head {_answer(fmt)}")
+    else:
+        starts.append("TEXT")
+    return "\n".join([f"start: {' | '.join(starts)}", *rules])
 
 
 def _describe(function: dict) -> str:
@@ -320,17 +394,34 @@ class ReActParser:
 # ---- native tool calls ------------------------------------------------------------
 
 
-def _native_plan(tokenizer, messages: list[dict], functions: list[dict], choice: Choice) -> Plan:
+def _native_plan(tokenizer, messages: list[dict], functions: list[dict], choice: Choice, fmt: Format) -> Plan:
     tools = [{"type": "function", "function": f} for f in functions] or None
-    text = prompt.render(tokenizer, _native_messages(messages), tools)
+    rendered = _native_messages(messages)
+    if fmt.json:
+        rendered = _instruct(rendered, fmt.instructions())
+    text = prompt.render(tokenizer, rendered, tools)
+    close = literal("\n" + TOOL_CALL_CLOSE)
     if not functions:
-        return Plan(text, (), None)
+        return Plan(text, (), None, f"start: {_answer(fmt)}" if fmt.json else None)
     if choice.mode == "named":
-        start = '{"name": ' + json.dumps(choice.name) + ', "arguments": '
-        return Plan(f"{text}{TOOL_CALL_OPEN}\n{start}", (), TaggedParser(start, choice.name))
+        start = _call_start(choice.name)
+        grammar = f"start: {_arguments(_named(functions, choice.name))} {literal('}')} {close}"
+        return Plan(f"{text}{TOOL_CALL_OPEN}\n{start}", (), TaggedParser(start, choice.name), grammar)
+    calls = " | ".join(f"{literal(_call_start(f['name']))} {_arguments(f)} {literal('}')}" for f in functions)
     if choice.mode == "required":
-        return Plan(f"{text}{TOOL_CALL_OPEN}\n", (), TaggedParser(""))
-    return Plan(text, (), TaggedParser())
+        return Plan(f"{text}{TOOL_CALL_OPEN}\n", (), TaggedParser(""), f"start: ({calls}) {close}")
+    # auto: free text (or the JSON answer) unless a <tool_call> block opens; then the calls are constrained.
+    grammar = "\n".join([
+        f"start: {_answer(fmt) if fmt.json else 'TEXT'} | (call_head ({calls}) {close})+",
+        f"TEXT: {ANY_TEXT}",
+        "call_head[lazy]: TEXT " + literal(TOOL_CALL_OPEN + "\n"),
+    ])
+    return Plan(text, (), TaggedParser(), grammar)
+
+
+def _call_start(name: str) -> str:
+    """A tool call's JSON up to its arguments, as the prompt writes it for a forced call."""
+    return '{"name": ' + json.dumps(name) + ', "arguments": '
 
 
 def _native_messages(messages: list[dict]) -> list[dict]:

@@ -3,7 +3,8 @@
 Everything a researcher changes when tweaking decoding lives here, on one
 screen: the forward calls, then per step the log-probabilities the reply
 reports (of the raw logits, only when asked), the logits processors
-(processors.py), the sampler call, and the stop checks.
+(processors.py), the grammar mask (structured outputs), the sampler call,
+and the stop checks.
 """
 import secrets
 from collections.abc import Callable
@@ -70,6 +71,9 @@ def generate(
         top_p = torch.tensor([params.top_p], dtype=torch.float32, device=device)
         seed = torch.tensor([secrets.randbits(62) if params.seed is None else params.seed], dtype=torch.int64, device=device)
 
+        grammar = request.grammar
+        if grammar is not None:
+            grammar.fill_mask()
         detok, stops = Detokenizer(tokenizer), StopMatcher(request.stop)
         history = processors.History(prompt)
         unsent: list[int] = []  # ids whose text has not been emitted yet
@@ -80,13 +84,16 @@ def generate(
                 return
             model_logprobs = logprobs.distribution(logits) if request.logprobs is not None else None
             logits = processors.apply(logits, params, history)
-            logits = processors.truncate(logits, params)
+            if grammar is not None:
+                logits = grammar.apply(logits)  # tokens that leave the grammar: -inf
+            logits = processors.truncate(logits, params)  # min_p, after the mask: it must not keep only banned tokens
             token_ids, _ = sample(logits[None, :], temperature, top_k, top_p, seed, step)
             token = int(token_ids[0])
             history.append(token)
             if token in stop_token_ids:
                 finish_reason = "stop"
                 break
+            grammar_done = grammar is not None and grammar.consume(token)
             unsent.append(token)
             if model_logprobs is not None:
                 unsent_logprobs.append(logprobs.for_token(model_logprobs, token, request.logprobs))
@@ -95,11 +102,13 @@ def generate(
                 emit(Event(text=text, token_ids=tuple(unsent), logprobs=tuple(unsent_logprobs)))
                 unsent.clear()
                 unsent_logprobs.clear()
-            if hit_stop_string:
+            if hit_stop_string or grammar_done:
                 finish_reason = "stop"
                 break
             if step + 1 < budget:
                 logits = runner.forward([token], slot.cache, decode=True)
+                if grammar is not None:
+                    grammar.fill_mask()  # on CUDA, while the forward's kernels run
                 slot.tokens.append(token)
                 counters["decode_steps"] += 1
         if not hit_stop_string and (rest := stops.flush()):

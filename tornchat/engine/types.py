@@ -1,6 +1,8 @@
 """Plain data passed between the server and the engine."""
 from dataclasses import dataclass, field
 
+from tornchat.engine.grammar import Grammar
+
 
 class QueueFull(Exception):
     """The FIFO of waiting requests is at its bound."""
@@ -32,6 +34,7 @@ class GenerationRequest:
     max_length: int | None = None  # prompt + new tokens (spec); the tighter bound wins
     stop: tuple[str, ...] = ()  # up to 4 strings, matched on decoded text
     logprobs: int | None = None  # None: none computed; n: each token's logprob and the n most likely
+    grammar: Grammar | None = None  # constrains the generated text (structured outputs, function calls)
 
 
 @dataclass(frozen=True)

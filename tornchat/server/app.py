@@ -8,6 +8,7 @@ from tornado.httpserver import HTTPServer
 from tornado.web import Application
 
 from tornchat.config import Config
+from tornchat.engine.grammar import Compiler
 from tornchat.server import handlers, web
 from tornchat.server.metrics import Metrics
 from tornchat.server.stats import ServerStats
@@ -69,6 +70,7 @@ def make_app(config: Config, engine) -> Application:
         engine=engine,
         server_stats=server_stats,
         metrics=Metrics(engine, server_stats),
+        grammars=Compiler(engine.tokenizer),  # structured outputs: built once, at start-up
         in_flight=set(),  # handlers with a generation submitted, for shutdown
     )
 

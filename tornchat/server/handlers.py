@@ -11,6 +11,7 @@ from tornado.queues import Queue
 from tornado.web import HTTPError, RequestHandler, stream_request_body
 
 from tornchat import MODEL_ID, functions, prompt
+from tornchat.engine.grammar import Grammar, GrammarError
 from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, QueueFull
 from tornchat.functions import Piece
 from tornchat.kernels.stopcheck import spellings
@@ -199,6 +200,14 @@ class GenerationHandler(BaseHandler):
         finally:
             in_flight.discard(self)
 
+    def _grammar(self, lark: str | None) -> Grammar | None:
+        if lark is None:
+            return None
+        try:
+            return self.settings["grammars"].compile(lark)
+        except GrammarError as exc:  # each schema compiled alone (validate); together they should too
+            raise invalid(f"functions / response_format: the schemas cannot be enforced together: {exc}") from None
+
     async def _complete(self, reply: replies.Reply, parser) -> None:
         async for event in self._events():
             if event.error is not None:
@@ -295,7 +304,7 @@ class ChatCompletionsHandler(GenerationHandler):
     async def post(self) -> None:
         request = validate.chat_request(self.body(), self.config.max_messages, self.vocab_size)
         tokenizer = self.engine.tokenizer
-        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice)
+        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice, request.response_format)
         generation = GenerationRequest(
             prompt_ids=prompt.encode(tokenizer, plan.prompt),
             sampling=request.sampling,
@@ -303,6 +312,7 @@ class ChatCompletionsHandler(GenerationHandler):
             max_length=request.max_length,
             stop=request.stop + plan.stops,
             logprobs=request.logprobs,
+            grammar=self._grammar(plan.grammar),
         )
         await self.generate(generation, replies.Reply(request.call_style, self.spelling(request)), plan.parser, request)
 

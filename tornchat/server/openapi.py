@@ -151,7 +151,7 @@ def schemas(config: Config) -> dict:
             "properties": {
                 "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
                 "description": _optional({"type": "string"}),
-                "parameters": _optional({"type": "object", "description": "JSON Schema of the arguments"}),
+                "parameters": _optional({"type": "object", "description": "JSON Schema of the arguments; a call's arguments are held to it (400 if it cannot be enforced)"}),
             },
         },
         "ChatCompletionRequest": {
@@ -208,6 +208,31 @@ def schemas(config: Config) -> dict:
                                 },
                             },
                         ]
+                    }
+                ),
+                "response_format": _optional(
+                    {
+                        "description": "JSON replies held to a grammar: json_object gives one JSON object, json_schema JSON valid against the schema (also shown to the model)",
+                        "anyOf": [
+                            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+                            {
+                                "type": "object",
+                                "required": ["type", "json_schema"],
+                                "properties": {
+                                    "type": {"const": "json_schema"},
+                                    "json_schema": {
+                                        "type": "object",
+                                        "required": ["name", "schema"],
+                                        "properties": {
+                                            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+                                            "description": _optional({"type": "string"}),
+                                            "schema": {"type": "object", "description": "JSON Schema of the reply (400 if it cannot be enforced)"},
+                                            "strict": _optional({"type": "boolean", "description": "Accepted; the schema is always enforced"}),
+                                        },
+                                    },
+                                },
+                            },
+                        ],
                     }
                 ),
             },

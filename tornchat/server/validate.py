@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from tornchat.engine.grammar import schema_error
 from tornchat.engine.types import SamplingParams
-from tornchat.functions import Choice
+from tornchat.functions import Choice, Format
 from tornchat.server.errors import invalid
 
 ROLES = ("system", "developer", "user", "assistant", "function", "tool")  # developer: newer clients' system
@@ -41,6 +42,7 @@ class ChatRequest(Request):
     functions: list[dict] = field(default_factory=list)  # name, description, parameters
     call_style: str | None = None  # "functions" (legacy) or "tools": the shape of a call in the reply
     choice: Choice = field(default_factory=Choice)
+    response_format: Format = field(default_factory=Format)
 
 
 @dataclass
@@ -74,6 +76,7 @@ def chat_request(data: dict, max_messages: int, vocab_size: int) -> ChatRequest:
         functions=functions,
         call_style=call_style,
         choice=choice,
+        response_format=_response_format(data.get("response_format")),
     )
 
 
@@ -350,8 +353,36 @@ def _definition(value, where: str) -> dict:
     if (description := _string(value, "description", f"{where}.description")) is not None:
         definition["description"] = description
     if value.get("parameters") is not None:
-        definition["parameters"] = _object(value, "parameters", f"{where}.parameters")
+        definition["parameters"] = _schema(value, "parameters", f"{where}.parameters ({name})")
     return definition
+
+
+def _schema(data: dict, key: str, name: str) -> dict:
+    """A JSON schema the grammar can enforce."""
+    schema = _object(data, key, name)
+    if error := schema_error(schema):
+        raise invalid(f"{name} is not a JSON schema tornchat can enforce: {error}")
+    return schema
+
+
+def _response_format(value) -> Format:
+    if value is None:
+        return Format()
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise invalid('response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}')
+    if value["type"] != "json_schema":
+        return Format(value["type"])
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid("response_format.json_schema must be an object with name and schema")
+    name = _string(spec, "name", "response_format.json_schema.name", required=True)
+    if not FUNCTION_NAME.match(name):
+        raise invalid("response_format.json_schema.name must be 1-64 letters, digits, underscores or dashes")
+    _boolean(spec, "strict", "response_format.json_schema.strict")  # always enforced: the grammar allows nothing else
+    _string(spec, "description", "response_format.json_schema.description")
+    if spec.get("schema") is None:
+        raise invalid("response_format.json_schema.schema is required")
+    return Format("json_schema", _schema(spec, "schema", "response_format.json_schema.schema"), name)
 
 
 def _function_call(value, functions: list[dict]) -> Choice:

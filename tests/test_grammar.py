@@ -1,0 +1,230 @@
+"""Grammar-constrained decoding: the llguidance mask, and the decode loop held to it.
+
+The generation tests run a random-weight model at temperature 1: left to
+itself it writes noise, so every reply that parses and validates does so
+because of the grammar.
+"""
+import copy
+import json
+
+import jsonschema
+import pytest
+import torch
+
+from tornchat import functions, prompt
+from tornchat.engine import GenerationRequest, SamplingParams
+from tornchat.engine.grammar import Compiler, GrammarError, json_value, literal, schema_error
+from tornchat.functions import Choice, Format
+
+from test_functions import TOOLS_TEMPLATE, run, summary
+
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+ALARM = {
+    "name": "set_alarm",
+    "parameters": {
+        "type": "object",
+        "properties": {"weekdays": {"type": "boolean"}, "tone": {"enum": ["beep", "chime"]}},
+        "required": ["weekdays", "tone"],
+        "additionalProperties": False,
+    },
+}
+SCHEMAS = {f["name"]: f["parameters"] for f in (WEATHER, ALARM)}
+FORECAST = {
+    "type": "object",
+    "properties": {"temps": {"type": "array", "items": {"type": "integer"}, "maxItems": 3}, "sunny": {"type": "boolean"}},
+    "required": ["temps", "sunny"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return Compiler(tokenizer)
+
+
+def ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def allowed(grammar, vocab: int) -> torch.Tensor:
+    grammar.fill_mask()
+    return grammar.apply(torch.zeros(vocab)).isfinite()
+
+
+# ---- the mask ---------------------------------------------------------------------
+
+
+def test_mask_follows_the_schema_token_by_token(compiler, tokenizer):
+    grammar = compiler.compile(f"start: {json_value(WEATHER['parameters'])}")
+    text = '{"city": "Paris", "days": 3}'
+    tokens = ids(tokenizer, text)
+    for i, token in enumerate(tokens):
+        mask = allowed(grammar, len(tokenizer))
+        assert mask[token], f"{tokenizer.decode(tokens[: i + 1])!r} is on the grammar's path"
+        assert 0 < int(mask.sum()) < len(tokenizer)
+        assert grammar.consume(token) == (i == len(tokens) - 1), "complete exactly at the closing brace"
+
+
+def test_mask_caps_whitespace_and_bounds(compiler, tokenizer):
+    grammar = compiler.compile(f"start: {json_value(WEATHER['parameters'])}")
+    for token in ids(tokenizer, '{"city": "Paris", "days":'):
+        grammar.consume(token)
+    mask = allowed(grammar, len(tokenizer))
+    assert mask[tokenizer.convert_tokens_to_ids("Ġ")], "one space after the colon"
+    newline = ids(tokenizer, "\n")[0]
+    assert not mask[newline], "no newlines inside the JSON"
+    grammar.consume(tokenizer.convert_tokens_to_ids("Ġ"))
+    mask = allowed(grammar, len(tokenizer))
+    assert mask[ids(tokenizer, "3")[0]] and not mask[ids(tokenizer, "9")[0]], "days is 1..7"
+
+
+def test_apply_masks_rows_past_the_vocabulary(compiler, tokenizer):
+    grammar = compiler.compile('start: "yes" | "no"')
+    grammar.fill_mask()
+    logits = grammar.apply(torch.zeros(len(tokenizer) + 64))
+    assert logits[len(tokenizer) :].eq(float("-inf")).all()
+    assert {tokenizer.decode([t]) for t in logits.isfinite().nonzero()[:, 0].tolist()} >= {"yes", "no"}
+
+
+def test_a_token_outside_the_grammar_raises(compiler, tokenizer):
+    grammar = compiler.compile('start: "yes"')
+    with pytest.raises(GrammarError):
+        grammar.consume(ids(tokenizer, "no")[0])
+
+
+@pytest.mark.parametrize(
+    "schema, error",
+    [
+        ({"type": "object"}, None),
+        ({"type": "foo"}, "Invalid type"),
+        ({"properties": {"a": {"$ref": "#/defs/x"}}}, "does not exist"),
+        ({"properties": {"a": {"type": "string", "pattern": "(?<=a)b"}}}, "look-around"),
+    ],
+)
+def test_schema_error_names_the_problem(schema, error):
+    message = schema_error(schema)
+    assert (message is None) if error is None else (error in message)
+
+
+def test_a_bad_grammar_raises(compiler):
+    with pytest.raises(GrammarError):
+        compiler.compile("start: %json " + json.dumps({"type": 3}))
+
+
+def test_literal_is_exact(compiler, tokenizer):
+    grammar = compiler.compile("start: " + literal('say "hi"\n'))
+    for token in ids(tokenizer, 'say "hi"\n')[:-1]:
+        assert not grammar.consume(token)
+    assert grammar.consume(ids(tokenizer, 'say "hi"\n')[-1])
+
+
+# ---- the decode loop under a grammar ----------------------------------------------
+
+
+def generate(engine, compiler, plan, seed, max_tokens=120):
+    request = GenerationRequest(
+        prompt.encode(engine.tokenizer, plan.prompt),
+        sampling=SamplingParams(temperature=1.0, seed=seed),
+        max_tokens=max_tokens,
+        stop=plan.stops,
+        grammar=compiler.compile(plan.grammar) if plan.grammar else None,
+    )
+    events = list(engine.generate(request))
+    return "".join(e.text for e in events), events[-1]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_model_writes_valid_json_and_stops(tiny_engine, compiler, seed):
+    plan = functions.plan(tiny_engine.tokenizer, ASK, [], fmt=Format("json_schema", FORECAST, "forecast"))
+    assert "Answer with one JSON object that matches this JSON schema (forecast)" in plan.prompt
+    text, last = generate(tiny_engine, compiler, plan, seed)
+    jsonschema.validate(json.loads(text), FORECAST)
+    assert last.finish_reason == "stop" and "\n" not in text
+
+
+def test_format_instructions_join_the_system_message(tokenizer):
+    messages = [{"role": "system", "content": "Be brief."}] + ASK
+    plan = functions.plan(tokenizer, messages, [], fmt=Format("json_schema", FORECAST, "forecast"))
+    assert plan.prompt.count("<|im_start|>system") == 1
+    assert "Be brief.\n\nAnswer with one JSON object that matches this JSON schema (forecast):\n" + json.dumps(FORECAST) in plan.prompt
+    assert functions.plan(tokenizer, messages, [], fmt=Format("text")) == functions.plan(tokenizer, messages, [])
+
+
+def test_json_object_is_one_object(tiny_engine, compiler):
+    plan = functions.plan(tiny_engine.tokenizer, ASK, [], fmt=Format("json_object"))
+    text, last = generate(tiny_engine, compiler, plan, seed=7, max_tokens=200)
+    if last.finish_reason == "stop":  # a free object may be long; cut off, it is still a prefix of one
+        assert isinstance(json.loads(text), dict)
+    assert text.startswith("{")
+
+
+def assert_calls_valid(plan, text, offered):
+    calls = summary(run(plan.parser, [text]))["calls"]
+    assert calls, f"no call in {text!r}"
+    for call in calls:
+        assert call["name"] in offered
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+    return calls
+
+
+@pytest.mark.parametrize("choice", [Choice("named", "set_alarm"), Choice("required")])
+@pytest.mark.parametrize("seed", range(2))
+def test_forced_react_calls_parse_and_validate(tiny_engine, compiler, choice, seed):
+    plan = functions.plan(tiny_engine.tokenizer, ASK, [WEATHER, ALARM], choice)
+    text, last = generate(tiny_engine, compiler, plan, seed)
+    calls = assert_calls_valid(plan, text, SCHEMAS)
+    assert last.finish_reason == "stop"
+    if choice.mode == "named":
+        assert [c["name"] for c in calls] == ["set_alarm"]
+
+
+@pytest.fixture(scope="module")
+def tools_engine(tiny_model, tokenizer):
+    """The tiny model behind a chat template that knows tools (the native <tool_call> style)."""
+    from conftest import make_engine
+
+    tools_tokenizer = copy.copy(tokenizer)
+    tools_tokenizer.chat_template = TOOLS_TEMPLATE
+    engine = make_engine(tiny_model, tools_tokenizer)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("choice", [Choice("named", "get_weather"), Choice("required")])
+@pytest.mark.parametrize("seed", range(2))
+def test_forced_native_calls_parse_and_validate(tools_engine, compiler, choice, seed):
+    plan = functions.plan(tools_engine.tokenizer, ASK, [WEATHER, ALARM], choice)
+    text, last = generate(tools_engine, compiler, plan, seed)
+    assert_calls_valid(plan, text, SCHEMAS)
+    assert last.finish_reason == "stop" and text.endswith("</tool_call>")
+
+
+def test_auto_call_is_constrained_once_it_starts(compiler, tokenizer):
+    """With "auto" the text is free until ``Action:``; from there only an offered call fits."""
+    plan = functions.plan(tokenizer, ASK, [WEATHER, ALARM])
+    grammar = compiler.compile(plan.grammar)
+    for token in ids(tokenizer, " any words at all\nAction:"):
+        assert allowed(grammar, len(tokenizer))[token]
+        assert not grammar.consume(token)
+    mask = allowed(grammar, len(tokenizer))
+    assert mask[ids(tokenizer, " get")[0]] and not mask[ids(tokenizer, " search")[0]]
+
+
+def test_auto_native_call_is_constrained_once_it_starts(compiler, tokenizer):
+    tools_tokenizer = copy.copy(tokenizer)
+    tools_tokenizer.chat_template = TOOLS_TEMPLATE
+    plan = functions.plan(tools_tokenizer, ASK, [WEATHER, ALARM])
+    grammar = compiler.compile(plan.grammar)
+    for token in ids(tokenizer, "Let me check.<tool_call>\n"):
+        grammar.consume(token)
+    texts = [tokenizer.decode([t]) for t in allowed(grammar, len(tokenizer)).nonzero()[:, 0].tolist()]
+    assert texts and all(text.startswith("{") for text in texts), "the block holds a call's JSON"

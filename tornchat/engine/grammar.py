@@ -1,0 +1,89 @@
+"""Grammar-constrained decoding: which tokens may come next, through llguidance.
+
+A request's grammar is Lark text in llguidance's dialect (``%json {...}``
+embeds a JSON schema) describing all the text the model may generate after
+its prompt. Each decode step the matcher fills a bitmask of the tokens that
+keep the text inside the grammar; the decode loop sets every other logit to
+-inf before the sampler, then hands the sampled token back. When the grammar
+is complete and allows nothing more, the generation ends.
+"""
+import json
+
+import llguidance.hf
+import numpy as np
+import torch
+from llguidance import LLMatcher
+from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+# JSON on one line as json.dumps writes it: ", " and ": " and no other
+# whitespace, so that a small model cannot run away into blank lines.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+ANY_TEXT = r"/(.|\n)*/"
+
+
+class GrammarError(ValueError):
+    """A grammar or schema llguidance cannot enforce, or a token outside the grammar."""
+
+
+def schema_error(schema: dict) -> str | None:
+    """Why llguidance cannot enforce this JSON schema (unknown type, bad $ref, unsupported keyword), or None."""
+    return LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema)) or None
+
+
+def json_value(schema: dict) -> str:
+    """A Lark expression for one JSON value valid against schema, in JSON_STYLE."""
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE})
+
+
+def literal(text: str) -> str:
+    """A Lark string literal for exactly this text."""
+    return json.dumps(text)
+
+
+class Compiler:
+    """Grammars for one tokenizer. llguidance's view of the vocabulary takes about 0.5 s to build, so once."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+
+    def compile(self, lark: str) -> "Grammar":
+        matcher = LLMatcher(self.tokenizer, LLMatcher.grammar_from_lark(lark), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return Grammar(matcher, self.tokenizer.vocab_size)
+
+
+class Grammar:
+    """One generation's position in its grammar, and the mask of the tokens allowed next."""
+
+    def __init__(self, matcher: LLMatcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.bitmask = allocate_token_bitmask(1, vocab_size)  # llguidance's: one bit per token
+        self.allowed = torch.ones(vocab_size, dtype=torch.bool)  # one bool per token, from the last fill_mask
+
+    def fill_mask(self) -> None:
+        """Compute the allowed tokens on the CPU (llguidance drops the GIL meanwhile).
+
+        The decode loop calls this right after queueing a forward: on CUDA the
+        forward returns before its kernels finish, so the mask is computed
+        while they run.
+        """
+        fill_next_token_bitmask(self.matcher, self.bitmask)
+        # One bool per token, unpacked here by numpy on this thread, so that apply is a single torch op
+        # (each torch op over the vocabulary is a parallel region, which a busy CPU makes slow).
+        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+        self.allowed = torch.from_numpy(bits.view(np.bool_))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] with the tokens the grammar does not allow at -inf."""
+        allowed = self.allowed[: logits.shape[-1]].to(logits.device, non_blocking=True)
+        if allowed.numel() < logits.shape[-1]:  # rows past the tokenizer's vocabulary (padding) are never text
+            allowed = torch.cat([allowed, allowed.new_zeros(logits.shape[-1] - allowed.numel())])
+        return torch.where(allowed, logits, float("-inf"))
+
+    def consume(self, token: int) -> bool:
+        """Advance past the sampled token; True when the grammar is complete and allows nothing more."""
+        if not self.matcher.consume_token(token):
+            raise GrammarError(self.matcher.get_error())
+        return self.matcher.is_stopped()
