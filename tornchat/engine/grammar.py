@@ -13,7 +13,9 @@ import llguidance.hf
 import numpy as np
 import torch
 from llguidance import LLMatcher
-from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+# numpy's helpers, not llguidance.torch's: that module imports torch._dynamo (and with it Triton) into
+# every process that merely imports the engine.
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 # JSON on one line as json.dumps writes it: ", " and ": " and no other
 # whitespace, so that a small model cannot run away into blank lines.
@@ -72,7 +74,7 @@ class Grammar:
         fill_next_token_bitmask(self.matcher, self.bitmask)
         # One bool per token, unpacked here by numpy on this thread, so that apply is a single torch op
         # (each torch op over the vocabulary is a parallel region, which a busy CPU makes slow).
-        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
+        bits = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")[: self.vocab_size]
         self.allowed = torch.from_numpy(bits.view(np.bool_))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
