@@ -138,8 +138,14 @@ def candidates(requested: str, int4_fits: bool, int8_layers: bool = False, int8_
     return found
 
 
+BATCH_S = 0.05  # a batch of calls longer than this is cut to fewer calls: slow candidates cost little to rule out
+
+
 def _seconds(fn, repeats: int = 7, calls: int = 10) -> float:
-    """Median seconds per call of fn over repeats batches, after a warm-up batch."""
+    """Median seconds per call of fn over repeats batches, after a warm-up call and batch."""
+    started = time.perf_counter()
+    fn()
+    calls = max(1, min(calls, int(BATCH_S / max(time.perf_counter() - started, 1e-9))))
     for _ in range(calls):
         fn()
     batches = []
