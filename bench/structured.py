@@ -16,9 +16,13 @@ Through the real server and the OpenAI SDK:
 
 Then, in this process, the grammar's cost per token on this CPU: filling the
 mask, applying it to the logits and consuming the token, replayed over the
-replies above; set against the server's decode time per token.
+replies above; set against the server's decode time per token. And decode
+tokens/s through the server with a JSON schema active against none, in turns
+(same prompt, temperature 1.0, streamed; tokens after the first over the
+time they took).
 
     python bench/structured.py [--seeds 3] [--out bench/results/structured.json]
+    python bench/structured.py --speed-only [--rounds 5]
 """
 import argparse
 import json
@@ -201,6 +205,36 @@ def format_rows(client, seeds: int) -> tuple[list[dict], list[str]]:
     return rows, replies
 
 
+SPEED_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string", "maxLength": 300}}},
+                "required": ["notes"]}
+
+
+def decode_rate(client, **extra) -> float:
+    """Tokens/s of one streamed reply after its first token."""
+    first = usage = None
+    stream = client.chat.completions.create(
+        model="gpt-3.5-turbo", messages=[{"role": "user", "content": "Write many short notes about the history of bicycles."}],
+        max_tokens=128, temperature=1.0, seed=3, stream=True, stream_options={"include_usage": True}, **extra)
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+        usage = chunk.usage or usage
+    return (usage.completion_tokens - 1) / (time.perf_counter() - first)
+
+
+def schema_speed(client, rounds: int) -> dict:
+    """Median decode tokens/s with SPEED_SCHEMA as response_format against none, the two in turns."""
+    constrained = {"response_format": {"type": "json_schema", "json_schema": {"name": "notes", "schema": SPEED_SCHEMA}}}
+    plain, schema = [], []
+    for _ in range(rounds):
+        plain.append(decode_rate(client))
+        schema.append(decode_rate(client, **constrained))
+    result = {"rounds": rounds, "plain_tok_s": round(statistics.median(plain), 1),
+              "schema_tok_s": round(statistics.median(schema), 1)}
+    result["ratio"] = round(result["schema_tok_s"] / result["plain_tok_s"], 3)
+    return result
+
+
 def fastest(work, times: int = 3) -> float:
     best = float("inf")
     for _ in range(times):
@@ -253,7 +287,14 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/structured.json")
     parser.add_argument("--calls-from", help="take the function-call rows from this earlier result instead of rerunning them")
     parser.add_argument("--mask-only", help="take all rows and replies from this earlier result; time the mask only")
+    parser.add_argument("--speed-only", action="store_true", help="only decode tokens/s with a schema against none")
+    parser.add_argument("--rounds", type=int, default=5, help="turns of the speed comparison")
     args = parser.parse_args()
+    if args.speed_only:
+        with servers.running() as server:
+            client = openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=600)
+            print(describe(), schema_speed(client, args.rounds))
+        return
     if args.mask_only:
         earlier = json.loads(Path(args.mask_only).read_text())
         calls, call_texts, formats, format_texts = (earlier[k] for k in ("calls", "call_texts", "formats", "format_texts"))
@@ -266,12 +307,14 @@ def main() -> None:
             else:
                 calls, call_texts = function_rows(client, args.seeds)
             formats, format_texts = format_rows(client, args.seeds)
+            speed = schema_speed(client, args.rounds)
     # Replay each reply under its schema's grammar.
     replay = [(f"start: {json_value(f['parameters'])}", text) for f in FUNCTIONS for text in call_texts if valid(text, f["parameters"])]
     replay += [(f"start: {json_value(s)}", text) for s in FORMATS.values() for text in format_texts if valid(text, s)]
     cost = mask_cost(replay)
     print(cost)
-    result = {"cpu": describe(), "calls": calls, "formats": formats, "mask": cost, "call_texts": call_texts, "format_texts": format_texts}
+    result = {"cpu": describe(), "calls": calls, "formats": formats, "mask": cost, "call_texts": call_texts,
+              "format_texts": format_texts, "speed": None if args.mask_only else speed}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print_tables(result)
@@ -290,6 +333,10 @@ def print_tables(result: dict) -> None:
     print(f"\nmask per token (median of {m['tokens']}, vocabulary {m['vocab']}): fill {m['fill_us']} us, "
           f"apply {m['apply_us']} us, consume {m['consume_us']} us, total {m['total_us']} us (p99 {m['p99_total_us']} us); "
           f"a grammar's first token: {m['first_token_us']} us (median of {m['grammars']})")
+    if result.get("speed"):
+        v = result["speed"]
+        print(f"decode with a JSON schema active: {v['schema_tok_s']} tok/s against {v['plain_tok_s']} without "
+              f"({v['ratio']:.2f}x; median of {v['rounds']} turns each)")
 
 
 if __name__ == "__main__":
