@@ -210,7 +210,7 @@ def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
             def run():
                 plain = None if dtype is None else quant.dequantize(matrix, dtype)
                 return quant.linear(x, matrix if plain is None else plain)
-            total += 1000 * _seconds(run, repeats=3, calls=2)
+            total += 1000 * _seconds(run, repeats=2 if rows >= 256 else 3, calls=2)
         return total
 
     longest = PREFILL_LADDER[0]
@@ -333,11 +333,16 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
     log.info("decode step, ms: %s; estimates from one layer's matmuls, ms: %s; attention at %d positions, ms per "
              "layer: %s", step_ms, estimate_ms, ATTENTION_POSITIONS, {k: round(v, 3) for k, v in attention_ms.items()})
     ranked = sorted(steps, key=steps.get) + sorted(set(estimates) - set(steps), key=estimates.get)
-    reference = None
+    reference = policy = None
     for fmt in ranked:
         runner = runners.get(fmt) or build(fmt)
-        prefill, prefill_from, prefill_ms = prefill_policy(runner)
-        log.info("prefill of %s, ms for one layer's matmuls by rows: %s", fmt.label(), {k: round(v, 3) for k, v in prefill_ms.items()})
+        if policy is None or not fmt.quantize.startswith("packed"):
+            # Packed candidates differ in a few matrices' kernels only: the first one's policy serves them all
+            # (timing it takes seconds on 1B-class layers).
+            policy = prefill_policy(runner)
+            log.info("prefill of %s, ms for one layer's matmuls by rows: %s", fmt.label(),
+                     {k: round(v, 3) for k, v in policy[2].items()})
+        prefill, prefill_from, _ = policy
         fmt = replace(fmt, prefill=prefill, prefill_from=prefill_from)
         runner.prefill_dtype = None if prefill == "kernels" else DTYPES[prefill]
         runner.prefill_from, runner.format = prefill_from, fmt
