@@ -1,15 +1,30 @@
 """Shared fixtures: a tiny random-weight Llama for fast tests, the real SmolLM2 for integration."""
 import json
 
+import openai
 import pytest
 import torch
 
+import servers
 from tornchat import checkpoint, prompt
 from tornchat.engine.model import HFRunner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.worker import Engine
 
 torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """The real server on the embedded model, one per test module; a module overrides it for flags of its own."""
+    with servers.running() as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official OpenAI SDK on the module's server."""
+    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=600)
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 from tornchat import checkpoint, config, prompt
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tornchat.engine import fused, llama, quant
+from tornchat.engine import fused, quant
 
 from runners import lean
 

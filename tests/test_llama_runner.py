@@ -4,7 +4,6 @@ Tiny random models check the cache mechanics fast; the real SmolLM2 checks
 that greedy output is the same token for token, through the engine's KV
 reuse path included.
 """
-import copy
 
 import pytest
 import torch

@@ -34,11 +34,6 @@ def server():
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=600)
-
-
-@pytest.fixture(scope="module")
 def reference(client):
     """The greedy reply to GREEDY, which several tests compare against."""
     return client.chat.completions.create(**GREEDY)

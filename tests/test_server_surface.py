@@ -17,17 +17,6 @@ PROMPT = "The capital of France is"
 ACROSS_REQUESTS = 0.1
 
 
-@pytest.fixture(scope="module")
-def server():
-    with servers.running() as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=600)
-
-
 def post(server, path, body) -> servers.Reply:
     return servers.request(server.url, "POST", path, body, {"Content-Type": "application/json"})
 

@@ -8,7 +8,6 @@ import json
 from typing import Literal
 
 import jsonschema
-import openai
 import pydantic
 import pytest
 
@@ -51,17 +50,6 @@ ALARM = {
 }
 SCHEMAS = {f["name"]: f["parameters"] for f in (WEATHER, ALARM)}
 TOOLS = [{"type": "function", "function": f} for f in (WEATHER, ALARM)]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with servers.running() as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=600)
 
 
 def streamed(client, **request) -> tuple[str, list[dict], str]:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from tornchat.engine import cpu, quant
-from tornchat.engine.llama import QUANTIZE, LlamaConfig, LlamaRunner, LlamaWeights, pack, packers
+from tornchat.engine.llama import QUANTIZE, LlamaConfig, LlamaRunner, LlamaWeights, pack, packers, shared_embedding
 
 log = logging.getLogger("tornchat.engine")
 
@@ -75,9 +75,8 @@ class Format:
         if self.quantize.startswith("packed"):
             pack_layer, pack_head = self.packers()
             head = pack_head(weights.head)
-            readable = quant.dequantize(head, torch.float32, torch.zeros(1, dtype=torch.long)) is not None
-            embed = head if weights.embed is weights.head and readable else weights.embed
-            weights = LlamaWeights(embed, [layer.packed(pack_layer) for layer in weights.layers], weights.final_norm, head)
+            weights = LlamaWeights(shared_embedding(weights, head), [layer.packed(pack_layer) for layer in weights.layers],
+                                   weights.final_norm, head)
         else:
             weights = pack(weights, self.quantize, DTYPES[self.inputs], keep=keep)
         runner = LlamaRunner(config, weights, kv_dtype=DTYPES[self.kv], prefill_from=self.prefill_from,

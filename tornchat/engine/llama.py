@@ -178,9 +178,14 @@ def pack(weights: LlamaWeights, quantize: str, inputs: torch.dtype = torch.bfloa
         if not keep:
             weights.layers[i] = None  # the caller gives the plain weights up: free each layer once packed
     head = pack_head(weights.head)
+    return LlamaWeights(embed=shared_embedding(weights, head), layers=packed, final_norm=weights.final_norm, head=head)
+
+
+def shared_embedding(weights: LlamaWeights, head: quant.Weight) -> object:
+    """The embedding beside ``head``, a repacked weights.head: head itself where embedding and head were one
+    tensor and head's format gives rows back (one copy), else the embedding as it was."""
     readable = quant.dequantize(head, torch.float32, torch.zeros(1, dtype=torch.long)) is not None
-    embed = head if weights.embed is weights.head and readable else weights.embed
-    return LlamaWeights(embed=embed, layers=packed, final_norm=weights.final_norm, head=head)
+    return head if weights.embed is weights.head and readable else weights.embed
 
 
 def weights_label(weights: LlamaWeights) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tornchat.engine import llama, quant
+from tornchat.engine import llama
 from tornchat.engine.llama import Layer, LlamaConfig, LlamaWeights
 
 log = logging.getLogger("tornchat.checkpoint")
@@ -62,9 +62,10 @@ def load(directory: Path, hf_config, pack_layer, pack_head) -> tuple[LlamaConfig
         ))
     embed = rows("model.embed_tokens.weight")
     tied = "lm_head.weight" not in tensors or getattr(hf_config, "tie_word_embeddings", False)
-    head = pack_head(embed if tied else rows("lm_head.weight"))
-    if tied and quant.dequantize(head, torch.float32, torch.zeros(1, dtype=torch.long)) is not None:
-        embed = head  # one copy: the packed head's rows are the embedding
-    weights = LlamaWeights(embed=embed, layers=layers, final_norm=rows("model.norm.weight"), head=head)
+    plain = LlamaWeights(embed=embed, layers=[], final_norm=rows("model.norm.weight"),
+                         head=embed if tied else rows("lm_head.weight"))
+    head = pack_head(plain.head)
+    weights = LlamaWeights(embed=llama.shared_embedding(plain, head), layers=layers, final_norm=plain.final_norm, head=head)
+    del plain
     log.info("read %s layer by layer, packed, in %.1f s", directory, time.perf_counter() - started)
     return config, weights
