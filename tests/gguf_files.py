@@ -50,16 +50,19 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
           heads: int = 4, kv_heads: int = 2, tied: bool = True, seed: int = 0, tokenizer: bool = False) -> Path:
     """A model file: ``types`` maps a tensor's role (q, k, v, o, gate, up, down, embed, output) to its type;
     roles not given are F32. Qwen2 files get q/k/v biases. With ``tokenizer``, the embedded model's
-    tokenizer and its vocabulary; without, a 512-token vocabulary and no tokenizer (faster to read)."""
+    tokenizer and its vocabulary; without, a 512-token vocabulary and no tokenizer (faster to read).
+    Broken files for the error tests: ``types["missing"]`` names a tensor or metadata key left out,
+    ``types["heads"]`` a head count written into the metadata that the tensors do not have."""
     rng = np.random.default_rng(seed)
     embedded = gguf.GGUFReader(default_gguf_path()) if tokenizer else None
     vocab = int(embedded.fields["llama.vocab_size"].contents()) if tokenizer else 512
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_uint32(f"{arch}.block_count", layers)
-    writer.add_uint32(f"{arch}.context_length", 1024)
-    writer.add_uint32(f"{arch}.embedding_length", hidden)
-    writer.add_uint32(f"{arch}.feed_forward_length", ffn)
-    writer.add_uint32(f"{arch}.attention.head_count", heads)
+    missing = types.get("missing")
+    metadata = {"block_count": layers, "context_length": 1024, "embedding_length": hidden, "feed_forward_length": ffn,
+                "attention.head_count": int(types.get("heads", heads))}
+    for key, value in metadata.items():
+        if f"{arch}.{key}" != missing:
+            writer.add_uint32(f"{arch}.{key}", value)
     writer.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
@@ -69,6 +72,8 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
     head_dim = hidden // heads
 
     def add(name: str, role: str, rows: int, cols: int):
+        if name == missing:
+            return
         type_name = types.get(role, "F32")
         array = random_tensor(rng, type_name, rows, cols)
         raw_dtype = None if array.dtype != np.uint8 else gguf.GGMLQuantizationType[type_name]

@@ -122,6 +122,9 @@ def test_prefill_dequantizes_the_packed_weights_one_layer_at_a_time(tmp_path):
 @pytest.mark.parametrize("arch, types, message", [
     ("gemma", {"q": "Q4_0"}, "unsupported architecture 'gemma'"),
     ("llama", {"q": "Q2_K"}, r"tensor type Q2_K \(blk.0.attn_q.weight\)"),
+    ("llama", {"missing": "blk.1.ffn_up.weight"}, r"has no tensor blk.1.ffn_up.weight"),
+    ("llama", {"missing": "llama.embedding_length"}, r"lacks the metadata key llama.embedding_length"),
+    ("llama", {"heads": "8"}, r"attn_k.weight in m.gguf is 128 x 256, not the 64 x 256"),  # tensors that do not fit
 ])
 def test_what_it_does_not_read_fails_with_one_line(tmp_path, arch, types, message, monkeypatch):
     if "Q2_K" in types.values():  # gguf's writer takes raw blocks of any type; ours has no random Q2_K

@@ -152,6 +152,8 @@ def load_gguf(gguf: Path, device: str, dtype: torch.dtype, dequantize: bool) -> 
         config, weights = gguf_file.load(gguf, plain=None if quantized else (dtype if not on_cpu else torch.float32))
     except gguf_file.UnsupportedFile as exc:
         raise CheckpointError(str(exc)) from None
+    except (RuntimeError, ValueError, TypeError) as exc:  # tensors whose shapes do not fit the metadata
+        raise CheckpointError(f"cannot load GGUF file {gguf}: {first_line(exc)}") from None
     if not on_cpu:
         weights = gguf_file.to_device(weights, device)
     tokenizer = gguf_tokenizer(gguf)

@@ -148,8 +148,12 @@ class GGUFFile:
         return default if found is None else found
 
     def meta(self, key: str, default=None):
-        """An architecture key, e.g. ``meta("block_count")`` reads ``llama.block_count``."""
-        return self.value(f"{self.arch}.{key}", default)
+        """An architecture key, e.g. ``meta("block_count")`` reads ``llama.block_count``; one without a
+        default must be there."""
+        found = self.value(f"{self.arch}.{key}", default)
+        if found is None:
+            raise UnsupportedFile(f"{self.path.name} lacks the metadata key {self.arch}.{key}")
+        return found
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor's bytes as uint8 [N, row_bytes], read into memory of their own."""
@@ -189,7 +193,27 @@ def config_of(file: GGUFFile) -> LlamaConfig:
     )
 
 
+def _check_shapes(file: GGUFFile, config: LlamaConfig, layers: int) -> None:
+    """Every layer tensor's [rows, cols] as the metadata says, before anything is converted: a file whose
+    tensors do not fit is refused in one line instead of failing in the first forward."""
+    ffn, q, kv = int(file.meta("feed_forward_length")), config.heads * config.head_dim, config.kv_heads * config.head_dim
+    expected = {"attn_q.weight": (q, config.hidden), "attn_k.weight": (kv, config.hidden), "attn_v.weight": (kv, config.hidden),
+                "attn_output.weight": (config.hidden, q), "ffn_gate.weight": (ffn, config.hidden),
+                "ffn_up.weight": (ffn, config.hidden), "ffn_down.weight": (config.hidden, ffn),
+                "attn_norm.weight": (1, config.hidden), "ffn_norm.weight": (1, config.hidden)}
+    for i in range(layers):
+        for part, shape in expected.items():
+            name = f"blk.{i}.{part}"
+            _check_type(file, name)
+            found = (file.tensors[name].rows, file.tensors[name].cols)
+            if found != shape:
+                raise UnsupportedFile(f"tensor {name} in {file.path.name} is {found[0]} x {found[1]}, not the "
+                                      f"{shape[0]} x {shape[1]} its metadata implies")
+
+
 def _check_type(file: GGUFFile, name: str) -> str:
+    if name not in file.tensors:
+        raise UnsupportedFile(f"{file.path.name} has no tensor {name}")
     type_name = file.tensors[name].type_name
     if type_name not in ggml.TYPES:
         raise UnsupportedFile(f"tensor type {type_name} ({name}) in {file.path.name} is not supported "
@@ -255,6 +279,7 @@ def load(path: Path, inputs: torch.dtype = torch.bfloat16, plain: torch.dtype | 
     def matrix(names, reorder):
         return _matrix(file, names, reorder, inputs, plain)
 
+    _check_shapes(file, config, int(file.meta("block_count")))
     layers = []
     for i in range(int(file.meta("block_count"))):
         blk = f"blk.{i}."
