@@ -181,7 +181,7 @@ def main() -> None:
             measuring = startup_seconds(cache)
             later = startup_seconds(cache)
         result["startup"] = {"first_s": first, "measuring_s": measuring, "later_s": later}
-        print(f"start-up: first {first:.1f} s (converts the GGUF, times the decode formats), {measuring:.1f} s "
+        print(f"start-up: first {first:.1f} s (converts the GGUF's tokenizer, times the decode formats), {measuring:.1f} s "
               f"timing the decode formats only, later starts {later:.1f} s (decision cached)", flush=True)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"

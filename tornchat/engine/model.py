@@ -20,10 +20,11 @@ class Runner(Protocol):
     def forward(self, token_ids: list[int], cache: Any, decode: bool = False) -> torch.Tensor:
         """Append token_ids to cache; return fp32 logits [V] of the last position.
 
-        ``decode``: a step after a sampled token, which may read lighter
-        weights than prefill (``--quantize``). Prefill never does, however
-        short, so that a prompt's logits do not depend on how much of it was
-        cached.
+        ``decode``: a one-token step after a sampled token, which runs the
+        decode kernels. A prefill chunk may take another path by its length
+        (``LlamaRunner``: long chunks dequantize each layer for a fast matrix
+        product), so a prompt's logits can differ in the last bits with how
+        much of it was cached, as between any two matmul kernels.
         """
 
     def truncate(self, cache: Any, length: int) -> None:
