@@ -105,3 +105,21 @@ def test_the_cpp_decode_step_is_the_python_loop(model_name, quantize, inputs, kv
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert caches[0].length == caches[1].length == 29
     torch.testing.assert_close(caches[0].kv[:, :, :29], caches[1].kv[:, :, :29], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inputs", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", [quant.Int4Layout(64, True), quant.Int4Layout(32, True), quant.Int4Layout(32, False)])
+def test_dequantize_int4_is_the_reference_bit_for_bit(layout, inputs, dtype):
+    """Every layout a CPU may pack in, not only this one's: dequantizing is a pure function of the bytes."""
+    torch.manual_seed(0)
+    levels = torch.randint(0, 16, (128, 256), dtype=torch.uint8)
+    scales, lows = torch.rand(128, 8) * 0.01, torch.randn(128, 8) * 0.05
+    weight = quant.int4_weight(layout.pack(levels), scales, lows, inputs)
+    got = quant._native().dequantize_int4(weight.packed, weight.scales_and_zeros, 32, layout.rows, layout.halves,
+                                          dtype == torch.bfloat16)
+    expected = weight.dequantize_reference(dtype, None, layout)
+    assert got.dtype == expected.dtype == dtype and torch.equal(got, expected)
+    if dtype == torch.float32 and inputs == torch.float32:  # and the reference is the levels' values
+        torch.testing.assert_close(got, (levels.float().reshape(128, 8, 32) * scales[..., None] + lows[..., None]).reshape(128, 256),
+                                   atol=1e-6, rtol=1e-6)

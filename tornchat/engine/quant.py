@@ -16,6 +16,7 @@ AVX-512 machine without bf16 the fp32 int4 path was the fast one
 store their scales in it; ``engine/autotune.py`` picks it by timing.
 """
 import functools
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,15 @@ class Int4Layout:
 
 
 @functools.cache
+def _native():
+    """The C++ ops (csrc/fused.cpp) where built; imported late, since fused.py imports this module."""
+    try:
+        return importlib.import_module("tornchat.engine._fused")
+    except ImportError:
+        return None
+
+
+@functools.cache
 def int4_layout() -> Int4Layout | None:
     """This CPU's int4 layout, found by packing random levels with PyTorch's packer and comparing; None if
     no known layout matches (then weights are packed by PyTorch and prefill runs the int4 kernel)."""
@@ -89,6 +99,14 @@ class Int4Weight:
         layout = int4_layout()
         if layout is None or not layout.fits(self.packed.shape[0]):
             return None
+        native = _native()
+        if rows is None and native is not None and dtype in (torch.float32, torch.bfloat16):
+            return native.dequantize_int4(self.packed, self.scales_and_zeros, self.group_size, layout.rows,
+                                          layout.halves, dtype == torch.bfloat16)
+        return self.dequantize_reference(dtype, rows, layout)
+
+    def dequantize_reference(self, dtype: torch.dtype, rows: torch.Tensor | None, layout: "Int4Layout") -> torch.Tensor:
+        """``dequantize`` in PyTorch ops: the semantics csrc/fused.cpp's dequantize_int4 is held to."""
         levels = layout.levels(self.packed, rows)
         scales, zeros = self.scales_and_zeros.to(dtype).permute(2, 1, 0)  # [N, G] each
         if rows is not None:

@@ -6,6 +6,7 @@
 // in tornchat/engine/fused.py, which the tests compare them with. Arithmetic
 // is fp32; bf16 outputs are rounded once, to nearest even.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -196,12 +197,58 @@ class DecodeStep {
   double eps_, scale_;
 };
 
+// Packed int4 weights -> [N, K] values (level - 8) * scale + zero, as quant.Int4Weight.dequantize computes
+// them: in fp32, or with each operation rounded to bf16 as PyTorch's bf16 elementwise ops round. The layout
+// (quant.Int4Layout): blocks of block_rows rows, each [K, block_rows / 2] bytes; byte j holds rows j and
+// j + block_rows / 2 (halves) or rows 2j and 2j + 1, the first in the low nibble. One pass, so that a
+// prefill chunk can afford to dequantize a layer for a matrix product.
+template <typename T>
+void dequantize_int4_blocks(const uint8_t* packed, const at::Tensor& scales_and_zeros, T* out, int64_t n, int64_t k,
+                            int64_t group, int64_t block_rows, bool halves) {
+  const at::Tensor sz = scales_and_zeros.to(at::kFloat).contiguous();  // [K / group, N, 2]
+  const float* params = sz.data_ptr<float>();
+  const int64_t half = block_rows / 2;
+  at::parallel_for(0, n, block_rows, [&](int64_t first, int64_t last) {
+    for (int64_t row = first; row < last; ++row) {  // one row at a time: contiguous writes, one scale per group
+      const int64_t r = row % block_rows;
+      const uint8_t* column = packed + (row / block_rows) * k * half + (halves ? r % half : r / 2);
+      const int shift = (halves ? r >= half : r % 2) ? 4 : 0;
+      T* y = out + row * k;
+      for (int64_t g = 0; g < k / group; ++g) {
+        const float* p = params + (g * n + row) * 2;
+        const T scale = static_cast<T>(p[0]), zero = static_cast<T>(p[1]);
+        for (int64_t i = g * group; i < (g + 1) * group; ++i) {
+          y[i] = static_cast<T>(((column[i * half] >> shift) & 0xF) - 8) * scale + zero;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_and_zeros, int64_t group, int64_t block_rows,
+                           bool halves, bool bf16_out) {
+  check_cpu_contiguous(packed, "packed");
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2, "packed must be uint8 [N, K / 2]");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(n % block_rows == 0 && k % group == 0 && scales_and_zeros.size(0) == k / group &&
+              scales_and_zeros.size(1) == n, "packed rows, groups and scales_and_zeros do not fit");
+  auto out = at::empty({n, k}, bf16_out ? at::kBFloat16 : at::kFloat);
+  if (bf16_out) {
+    dequantize_int4_blocks(packed.data_ptr<uint8_t>(), scales_and_zeros, out.data_ptr<BFloat16>(), n, k, group, block_rows, halves);
+  } else {
+    dequantize_int4_blocks(packed.data_ptr<uint8_t>(), scales_and_zeros, out.data_ptr<float>(), n, k, group, block_rows, halves);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_fused, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of fp32 rows, out in fp32 or bf16");
   m.def("rope_store", &rope_store, "RoPE on queries and keys; keys and values written into the cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("dequantize_int4", &dequantize_int4, "packed int4 weights to fp32 or bf16 values",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<DecodeStep>(m, "DecodeStep")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t, double, double>())
       // Without the GIL: the server's IOLoop thread keeps answering and streaming during a step.
