@@ -139,17 +139,17 @@ def gguf_tokenizer(gguf: Path):
     return tokenizer
 
 
-def load_gguf(gguf: Path, device: str, dtype: torch.dtype, dequantize: bool) -> Loaded:
-    """A Llama-family GGUF through our loader: on the CPU with its quantized blocks packed for the kernels
-    (unless ``dequantize``: fp32, for --quantize modes that pack from plain weights), elsewhere dequantized
-    into dtype on the device."""
+def load_gguf(file, device: str, dtype: torch.dtype, dequantize: bool) -> Loaded:
+    """A Llama-family GGUF (its header read: ``gguf_file.GGUFFile``) through our loader: on the CPU with its
+    quantized blocks packed for the kernels (unless ``dequantize``: fp32, for --quantize modes that pack
+    from plain weights), elsewhere dequantized into dtype on the device."""
     from tornchat.weights import gguf_file
 
     started = time.perf_counter()
-    on_cpu = device == "cpu"
+    gguf, on_cpu = file.path, device == "cpu"
     try:
-        quantized = on_cpu and not dequantize and gguf_file.is_quantized(gguf)
-        config, weights = gguf_file.load(gguf, plain=None if quantized else (dtype if not on_cpu else torch.float32))
+        quantized = on_cpu and not dequantize and gguf_file.is_quantized(file)
+        config, weights = gguf_file.load(file, plain=None if quantized else (dtype if not on_cpu else torch.float32))
     except gguf_file.UnsupportedFile as exc:
         raise CheckpointError(str(exc)) from None
     except (RuntimeError, ValueError, TypeError) as exc:  # tensors whose shapes do not fit the metadata
@@ -175,12 +175,12 @@ def load(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float
     source = default_gguf_path() if not path else Path(path).expanduser()
     if model_impl != "hf" and source.is_file() and source.suffix == ".gguf":
         try:
-            arch = gguf_file.GGUFFile(source).arch
+            file = gguf_file.GGUFFile(source)  # the header, read once
         except gguf_file.UnsupportedFile as exc:
             raise CheckpointError(str(exc)) from None
-        if arch in gguf_file.ARCHITECTURES or model_impl == "lean":
-            return load_gguf(source, device, dtype, dequantize=quantize != "auto")
-        log.info("%s is a %r model, which the lean forward does not run: converting it for transformers", source.name, arch)
+        if file.arch in gguf_file.ARCHITECTURES or model_impl == "lean":
+            return load_gguf(file, device, dtype, dequantize=quantize != "auto")
+        log.info("%s is a %r model, which the lean forward does not run: converting it for transformers", source.name, file.arch)
     if model_impl != "hf" and device == "cpu" and quantize in ("int4", "int8") and source.is_dir():
         packed = load_packing(source, quantize)
         if packed is not None:

@@ -259,13 +259,13 @@ def _vector(file: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
     return ggml.dequantize(file.raw(name), _check_type(file, name)).reshape(-1).to(dtype)
 
 
-def load(path: Path, inputs: torch.dtype = torch.bfloat16, plain: torch.dtype | None = None
+def load(source: Path | GGUFFile, inputs: torch.dtype = torch.bfloat16, plain: torch.dtype | None = None
          ) -> tuple[LlamaConfig, LlamaWeights]:
-    """Config and weights of a Llama-family GGUF, for the CPU's kernels; ``inputs``: what the int4 and int8
-    kernels are fed (their scales' dtype). ``plain``: every tensor dequantized into this dtype instead
-    (a GPU, or --quantize modes that pack from plain weights)."""
+    """Config and weights of a Llama-family GGUF (a path, or a header already read), for the CPU's kernels;
+    ``inputs``: what the int4 and int8 kernels are fed (their scales' dtype). ``plain``: every tensor
+    dequantized into this dtype instead (a GPU, or --quantize modes that pack from plain weights)."""
     started = time.perf_counter()
-    file = GGUFFile(path)
+    file = source if isinstance(source, GGUFFile) else GGUFFile(source)
     config = config_of(file)
     # llama.cpp stores Llama queries and keys with each head's rows in RoPE pairs already (its converter
     # permutes them); Qwen2 keeps transformers' halves.
@@ -306,7 +306,7 @@ def load(path: Path, inputs: torch.dtype = torch.bfloat16, plain: torch.dtype | 
         head, embed = matrix(["output.weight"], [None]), matrix(["token_embd.weight"], [None])
     weights = LlamaWeights(embed=embed, layers=layers, final_norm=_vector(file, "output_norm.weight", vector_dtype),
                            head=head)
-    log.info("read %s (%s, %d layers) in %.1f s", path.name, file.arch, len(layers), time.perf_counter() - started)
+    log.info("read %s (%s, %d layers) in %.1f s", file.path.name, file.arch, len(layers), time.perf_counter() - started)
     return config, weights
 
 
@@ -322,6 +322,6 @@ def to_device(weights: LlamaWeights, device: str) -> LlamaWeights:
     )
 
 
-def is_quantized(path: Path) -> bool:
+def is_quantized(file: GGUFFile) -> bool:
     """Whether any matrix in the file is stored in a quantized type (else it is a float checkpoint)."""
-    return any(t.type_name not in ggml.FLOATS for t in GGUFFile(path).tensors.values() if t.rows > 1)
+    return any(t.type_name not in ggml.FLOATS for t in file.tensors.values() if t.rows > 1)
