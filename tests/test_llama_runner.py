@@ -312,3 +312,28 @@ def test_int4_greedy_and_perplexity_track_fp32(smol, smol_lean):
             logits = runner.forward([token], cache, decode=True)
             nll[name] -= float(torch.log_softmax(logits, dim=-1)[ids[position + 1]])
     assert abs(nll["int4"] / nll["fp32"] - 1) < 0.01  # measured -0.35% in perplexity on 256 tokens
+
+
+@pytest.mark.parametrize("mode,inputs", [("int4", torch.bfloat16), ("int4", torch.float32), ("int8", torch.bfloat16),
+                                         ("none", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("native", [True, False])
+def test_verify_rows_are_bit_for_bit_decode_steps(tiny_model, mode, inputs, native):
+    """A speculative verify over n rows gives each row exactly the one-token step's logits (greedy stays
+    identical with speculation on), whatever the weight format, with the C++ step or without it."""
+    runner = lean(tiny_model, mode, inputs, prefill_dtype=torch.float32, prefill_from=8)
+    if not native:
+        runner.decode_step = None
+    elif runner.decode_step is None:
+        pytest.skip("no C++ decode step for this format here (oneDNN's bf16 layout, or the extension is not built)")
+    prompt_ids = list(range(100, 140))
+    drafts = [7, 300, 12, 12, 55, 901, 3, 44, 8]
+    stepped, verified = runner.new_cache(), runner.new_cache()
+    runner.forward(prompt_ids, stepped)
+    runner.forward(prompt_ids, verified)
+    steps = torch.stack([runner.forward([token], stepped, decode=True) for token in drafts])
+    rows = runner.verify(drafts[:4], verified)  # in two verifies, the second after a rollback
+    runner.truncate(verified, len(prompt_ids) + 2)
+    rows = torch.cat([rows[:2], runner.verify(drafts[2:], verified)])
+    assert verified.length == stepped.length == len(prompt_ids) + len(drafts)
+    assert torch.equal(rows, steps)
+    assert torch.equal(verified.kv[:, :, : verified.length], stepped.kv[:, :, : stepped.length])

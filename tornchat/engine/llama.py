@@ -284,6 +284,17 @@ class LlamaRunner:
         return self._logits(x[-1:], None)[0]
 
     @torch.inference_mode()
+    def verify(self, token_ids: list[int], cache: KVCache) -> torch.Tensor:
+        """fp32 logits [n, V] after each of token_ids appended to cache: bit for bit what n one-token decode
+        steps give (``DecodeStep`` over n rows where it runs, else the steps themselves)."""
+        if self.decode_step is None:
+            return torch.stack([self.forward([token], cache, decode=True) for token in token_ids])
+        x = self._hidden(token_ids, cache, None, steps=True)
+        if isinstance(self.head, quant.Int4Weight | quant.Int8Weight):  # kernels whose rows do not interact
+            return self._logits(x, None)
+        return torch.cat([self._logits(row, None) for row in x.split(1)])
+
+    @torch.inference_mode()
     def score(self, token_ids: list[int], mode: str) -> torch.Tensor:
         """fp32 logits [n, V] of every position of token_ids from an empty cache, in one pass: as a prefill
         chunk of that length computes them (``prefill``), through the decode kernels on every row
@@ -301,14 +312,16 @@ class LlamaRunner:
         h = self.ops.rms_norm(x, self.final_norm, self.eps, quant.input_dtype(head) == torch.bfloat16)
         return quant.linear(h, head).float()
 
-    def _hidden(self, token_ids: list[int], cache: KVCache, weights_as: torch.dtype | None) -> torch.Tensor:
-        """Run token_ids through the layers, appending to cache: the residual stream [n, hidden] after them."""
+    def _hidden(self, token_ids: list[int], cache: KVCache, weights_as: torch.dtype | None,
+                steps: bool = False) -> torch.Tensor:
+        """Run token_ids through the layers, appending to cache: the residual stream [n, hidden] after them.
+        ``steps``: each row as a one-token decode step computes it (``verify``)."""
         n, start = len(token_ids), cache.length
         self._reserve(cache, start + n)
         ids = torch.tensor(token_ids, device=self.device)
         x = quant.dequantize(self.weights.embed, self.dtype, ids)
-        if n == 1 and weights_as is None and self.decode_step is not None:
-            x = self.decode_step.forward(x, cache.kv, self.rope[start : start + 1], start)  # _layers in one C++ call
+        if (n == 1 or steps) and weights_as is None and self.decode_step is not None:
+            x = self.decode_step.forward(x, cache.kv, self.rope[start : start + n], start)  # _layers in one C++ call
         else:
             x = self._layers(x, cache, start, weights_as)
         cache.length = start + n

@@ -27,6 +27,14 @@ class Runner(Protocol):
         much of it was cached, as between any two matmul kernels.
         """
 
+    def verify(self, token_ids: list[int], cache: Any) -> torch.Tensor:
+        """Append token_ids to cache; return fp32 logits [n, V], row i bit for bit what
+        ``forward([token_ids[i]], cache, decode=True)`` would give after the rows before it.
+
+        A speculative decoder checks n drafted tokens with one call; whether that costs less than n steps
+        depends on the runner and the machine (``speculate.measure_costs``).
+        """
+
     def truncate(self, cache: Any, length: int) -> None:
         """Keep only the first ``length`` positions of cache."""
 
@@ -55,6 +63,10 @@ class HFRunner:
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1].float()
+
+    def verify(self, token_ids: list[int], cache) -> torch.Tensor:
+        # One row at a time: transformers' modules give a row different bits in a multi-row forward.
+        return torch.stack([self.forward([token], cache, decode=True) for token in token_ids])
 
     def truncate(self, cache, length: int) -> None:
         surplus = cache.get_seq_length() - length

@@ -140,11 +140,17 @@ struct Linear {
 
   at::ScalarType input() const { return kind == PLAIN ? a.scalar_type() : b.scalar_type(); }
 
+  // Every kind gives each row of x the bits it gives that row alone, so a verify step over n rows computes
+  // what n one-row steps would: the int4 and int8 kernels reduce each row the same way whatever the row
+  // count, while a plain matmul's reduction order changes with it (GEMV against GEMM), hence one row at a time.
   at::Tensor operator()(const at::Tensor& x) const {
     const auto in = x.to(input());
     if (kind == INT4) return at::_weight_int4pack_mm_for_cpu(in, a, group_size, b);
     if (kind == INT8) return at::_weight_int8pack_mm(in, a, b);
-    return at::linear(in, a);
+    if (in.size(0) == 1) return at::linear(in, a);
+    std::vector<at::Tensor> rows;
+    for (int64_t r = 0; r < in.size(0); ++r) rows.push_back(at::linear(in.narrow(0, r, 1), a));
+    return at::cat(rows);
   }
 };
 
@@ -153,8 +159,10 @@ struct Layer {
   Linear wqkv, wo, w13, w2;
 };
 
-// One decode step (one token) through every layer, the Python loop of llama.LlamaRunner._layers in one
-// call: that loop's ~25 Python-level operations per layer cost more than the layer's small kernels.
+// Decode steps through every layer, the Python loop of llama.LlamaRunner._layers in one call: that loop's
+// ~25 Python-level operations per layer cost more than the layer's small kernels. n rows at once (a
+// speculative verify) give each row exactly what a one-row step at its position gives: rows meet only
+// in attention, where each row attends to the positions up to its own, in the call a one-row step makes.
 class DecodeStep {
  public:
   // Per layer, tensors: attn_norm, ffn_norm, bqkv (or empty), then a and b of wqkv, wo, w13, w2 (b empty for
@@ -171,21 +179,27 @@ class DecodeStep {
     }
   }
 
-  // x [1, hidden] fp32, the token's embedding; kv [layers, 2, capacity, kv_heads, head_dim], freqs [1, head_dim / 2, 2]
-  // of position start. Writes the token's keys and values at start; returns x after the layers.
+  // x [n, hidden] fp32, the tokens' embeddings; kv [layers, 2, capacity, kv_heads, head_dim], freqs
+  // [n, head_dim / 2, 2] of positions start..start + n - 1. Writes the tokens' keys and values there;
+  // returns x after the layers.
   at::Tensor forward(at::Tensor x, const at::Tensor& kv, const at::Tensor& freqs, int64_t start) const {
-    const int64_t head_dim = kv.size(-1), groups = heads_ / kv_heads_;
-    TORCH_CHECK(kv.size(0) == static_cast<int64_t>(layers_.size()) && start < kv.size(2), "the cache does not fit this step");
+    const int64_t n = x.size(0), head_dim = kv.size(-1), groups = heads_ / kv_heads_;
+    TORCH_CHECK(kv.size(0) == static_cast<int64_t>(layers_.size()) && start + n <= kv.size(2) && freqs.size(0) == n,
+                "the cache does not fit this step");
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       auto qkv = layer.wqkv(rms_norm(x, layer.attn_norm, eps_, layer.wqkv.input() == at::kBFloat16));
       if (layer.bqkv.numel()) qkv = qkv + layer.bqkv;
       const auto keys = kv.select(0, i).select(0, 0), values = kv.select(0, i).select(0, 1);
-      auto q = rope_store(qkv.contiguous(), freqs, keys.narrow(0, start, 1), values.narrow(0, start, 1), heads_, kv_heads_);
-      auto attended = at::scaled_dot_product_attention(
-          q.view({1, kv_heads_, groups, head_dim}), keys.narrow(0, 0, start + 1).unsqueeze(0).transpose(1, 2),
-          values.narrow(0, 0, start + 1).unsqueeze(0).transpose(1, 2), {}, 0.0, false, scale_);
-      x = x + layer.wo(attended.reshape({1, heads_ * head_dim}));
+      auto q = rope_store(qkv.contiguous(), freqs, keys.narrow(0, start, n), values.narrow(0, start, n), heads_, kv_heads_);
+      std::vector<at::Tensor> attended;
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t seen = start + r + 1;
+        attended.push_back(at::scaled_dot_product_attention(
+            q.narrow(0, r, 1).view({1, kv_heads_, groups, head_dim}), keys.narrow(0, 0, seen).unsqueeze(0).transpose(1, 2),
+            values.narrow(0, 0, seen).unsqueeze(0).transpose(1, 2), {}, 0.0, false, scale_).reshape({1, heads_ * head_dim}));
+      }
+      x = x + layer.wo(n == 1 ? attended[0] : at::cat(attended));
       x = x + layer.w2(silu_mul(layer.w13(rms_norm(x, layer.ffn_norm, eps_, layer.w13.input() == at::kBFloat16))));
     }
     return x;
