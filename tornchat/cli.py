@@ -30,6 +30,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=config_module.CHOICES["quantize"],
                    help="weights decode steps read (lean forward, CPU): int4, int8 or bf16 weight-only, or none; "
                         "auto: the fastest whose quality holds, timed on this machine at first start (default auto)")
+    p.add_argument("--speculate", choices=config_module.CHOICES["speculate"],
+                   help="lookup: draft tokens from the conversation (and a request's prediction) and verify them in "
+                        "one forward, same text; auto: on where this machine's verify cost makes it pay; none: "
+                        "one token per forward (default auto)")
     p.add_argument("--kv-slots", type=int, help="conversations whose KV cache is kept (default 4)")
     p.add_argument("--kv-memory-mb", type=int, help="memory bound on all KV slots together (default 2048)")
     p.add_argument("--max-queue", type=int, help="requests allowed to wait; beyond that 503 (default 16)")

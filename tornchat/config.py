@@ -16,6 +16,7 @@ class Config:
     threads: int = 0  # torch intra-op threads; 0: one per core
     model_impl: str = "auto"  # auto (lean for Llama/Qwen2/Mistral, else hf) | hf | lean
     quantize: str = "auto"  # auto (the fastest format whose quality holds, timed on this machine) | none | bf16 | int8 | int4
+    speculate: str = "auto"  # auto (on where a measured verify makes drafts pay) | lookup | none
     kv_slots: int = 4  # conversations whose KV cache is kept between calls
     kv_memory_mb: int = 2048  # bound on all slots together
     max_queue: int = 16  # requests waiting behind the running one; beyond: 503
@@ -35,6 +36,7 @@ CHOICES = {
     "dtype": ("float32", "bfloat16", "float16"),
     "model_impl": ("auto", "hf", "lean"),
     "quantize": ("auto", "none", "bf16", "int8", "int4"),
+    "speculate": ("auto", "lookup", "none"),
     "log_level": ("debug", "info", "warning", "error"),
     "log_format": ("text", "json"),
 }

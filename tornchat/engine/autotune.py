@@ -299,7 +299,7 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
     model's own weights, or packed ones dequantized to fp32 (``score(..., "exact")``).
     """
     key = cache_key(requested, checkpoint)
-    known = _read(cache_file).get(key)
+    known = recall(cache_file, key)
     if known:
         choice = Choice(Format(**known["format"]), known["step_ms"], known["estimate_ms"], known["quality"], cached=True)
         log.info("decode weights %s: measured on an earlier start (%s)", choice.format.label(), cache_file)
@@ -355,16 +355,22 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
             continue
         choice = Choice(fmt, step_ms, estimate_ms, quality)
         log.info("decode weights %s chosen in %.1f s (quality %s)", fmt.label(), time.perf_counter() - started, quality)
-        _remember(cache_file, key, choice, depends_on(requested, checkpoint))
+        remember(cache_file, key, {"format": asdict(fmt), "step_ms": step_ms, "estimate_ms": estimate_ms,
+                                   "quality": quality, "for": depends_on(requested, checkpoint)})
         return runner, choice
     raise NoFormat(f"--quantize {requested}: no format keeps the model's quality on this CPU ({cpu.model_name()})")
 
 
-def _remember(cache_file, key: str, choice: Choice, about: dict) -> None:
+def recall(cache_file, key: str) -> dict | None:
+    """A decision remembered under key (``cache_key``), or None."""
+    return _read(cache_file).get(key)
+
+
+def remember(cache_file, key: str, entry: dict) -> None:
+    """Keep entry under key, newest last, dropping the oldest beyond MAX_DECISIONS."""
     decisions = _read(cache_file)
     decisions.pop(key, None)
-    decisions[key] = {"format": asdict(choice.format), "step_ms": choice.step_ms, "estimate_ms": choice.estimate_ms,
-                      "quality": choice.quality, "for": about}
+    decisions[key] = entry
     for stale in list(decisions)[:-MAX_DECISIONS]:  # oldest first: test runs leave a checkpoint each
         del decisions[stale]
     cache_file.parent.mkdir(parents=True, exist_ok=True)

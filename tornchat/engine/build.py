@@ -5,7 +5,7 @@ import torch
 
 from tornchat import checkpoint, prompt
 from tornchat.config import Config
-from tornchat.engine import autotune, cpu, fused, llama
+from tornchat.engine import autotune, cpu, fused, llama, speculate
 from tornchat.engine.model import HFRunner, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.worker import Engine
@@ -56,6 +56,25 @@ def make_runner(loaded: checkpoint.Loaded, config: Config, quality_ids: list[int
     return runner
 
 
+def speculation(runner: Runner, mode: str, ids: list[int], checkpoint_id: str) -> speculate.Costs | None:
+    """The verify costs drafts are sized by, or None for one token per forward: with --speculate none, or
+    auto where no draft pays on this machine (a runner that verifies one row at a time, say). Measured at
+    the first start, then remembered beside the weights' format."""
+    if mode == "none":
+        return None
+    cache_file = checkpoint.cache_root() / "decode-formats.json"
+    label = runner.label() if hasattr(runner, "label") else type(runner).__name__
+    key = autotune.cache_key(f"speculate: {label}", checkpoint_id)
+    known = autotune.recall(cache_file, key)
+    costs = speculate.Costs(tuple(known["relative"])) if known else speculate.measure(runner, ids)
+    if not known:
+        autotune.remember(cache_file, key, {"relative": list(costs.relative), "for": label})
+    pays = costs.pays()
+    log.info("speculation %s: a verify of 1..%d rows costs %s one-token steps%s", "on" if mode == "lookup" or pays
+             else "off", len(costs.relative), list(costs.relative), "" if pays else "; drafts do not pay here")
+    return costs if mode == "lookup" or pays else None
+
+
 def quality_ids(tokenizer) -> list[int]:
     """autotune's fixed chat, in the model's own template where it has one."""
     if getattr(tokenizer, "chat_template", None):
@@ -86,8 +105,10 @@ def _build_on_worker(config: Config) -> Engine:
     loaded = checkpoint.load(config.checkpoint_path, device=device, dtype=DTYPES[config.dtype],
                              model_impl=config.model_impl, quantize=config.quantize)
     stops = prompt.stop_token_ids(loaded.tokenizer, loaded.generation_config)
-    runner = make_runner(loaded, config, quality_ids(loaded.tokenizer), checkpoint.fingerprint(loaded.source))
+    ids, checkpoint_id = quality_ids(loaded.tokenizer), checkpoint.fingerprint(loaded.source)
+    runner = make_runner(loaded, config, ids, checkpoint_id)
     warm_up(runner)
+    costs = speculation(runner, config.speculate, ids, checkpoint_id)
     slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024, prompt_bytes(loaded.tokenizer))
     log.info(
         "engine ready on %s (%s), %s forward, weights %s, %s, %d threads, %d KV slots",
@@ -97,4 +118,5 @@ def _build_on_worker(config: Config) -> Engine:
         + ("" if fused.NATIVE else " (the C++ extension is not built: pip install --no-build-isolation -e .)"),
         torch.get_num_threads(), config.kv_slots,
     )
-    return Engine(runner, loaded.tokenizer, stops, slots, max_queue=config.max_queue, on_this_thread=True)
+    return Engine(runner, loaded.tokenizer, stops, slots, max_queue=config.max_queue, on_this_thread=True,
+                  speculation=costs)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from tornchat.engine import logprobs, processors
+from tornchat.engine import logprobs, processors, speculate
 from tornchat.engine.model import PREFILL_CHUNK, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.textstream import Detokenizer, StopMatcher
@@ -45,8 +45,15 @@ def generate(
     emit: Callable[[Event], None],
     cancelled: Callable[[], bool],
     counters: dict,
+    speculation: speculate.Costs | None = None,
 ) -> None:
     """Run one request to completion, calling emit for each piece of text.
+
+    ``speculation``: draft tokens by prompt lookup (speculate.py) and check
+    them in one ``runner.verify``, sized by these costs. Each verified row
+    then goes through the same steps as a plain step's logits, in order, so
+    the text is the same with or without it (the sampler's randomness is
+    keyed by the token's index in the reply).
 
     Returns quietly if cancelled() turns true; raises on a model failure
     (after dropping the slot, whose cache may be half-written).
@@ -54,6 +61,11 @@ def generate(
     budget = token_budget(request, runner.context_length)
     slot, reused, prompt = slots.acquire(request.prompt_ids)  # the same text, maybe in the slot's ids
     counters["reused_tokens"] += reused
+
+    def forget(tokens: list[int]) -> None:  # drafts the sampler did not confirm leave the cache
+        del slot.tokens[len(slot.tokens) - len(tokens) :]
+        runner.truncate(slot.cache, len(slot.tokens))
+
     try:
         for start in range(reused, len(prompt), PREFILL_CHUNK):
             if cancelled():
@@ -76,12 +88,17 @@ def generate(
             grammar.fill_mask()
         detok, stops = Detokenizer(tokenizer), StopMatcher(request.stop)
         history = processors.History(prompt)
-        unsent: list[int] = []  # ids whose text has not been emitted yet
-        unsent_logprobs: list = []  # their TokenLogprobs, when the request asks
+        drafter = speculate.Drafter(speculation, prompt, request.prediction_ids, budget) if speculation else None
+        rows = [logits]  # logits of the next positions: this step's, then one per draft fed after it
+        drafts: list[int] = []  # tokens fed after this step's position that the sampler has yet to confirm
+        fed = kept = 0  # drafts in the current verify, and how many the sampler confirmed
+        drafted = accepted = 0  # over the request
+        text, unsent, unsent_logprobs = "", [], []  # not emitted yet: text, its ids, their TokenLogprobs
         finish_reason, hit_stop_string = "length", False
+        if cancelled():
+            return
         for step in range(budget):
-            if cancelled():
-                return
+            logits = rows.pop(0)
             model_logprobs = logprobs.distribution(logits) if request.logprobs is not None else None
             logits = processors.apply(logits, params, history)
             if grammar is not None:
@@ -90,6 +107,11 @@ def generate(
             token_ids, _ = sample(logits[None, :], temperature, top_k, top_p, seed, step)
             token = int(token_ids[0])
             history.append(token)
+            if drafts and token == drafts[0]:
+                drafts.pop(0)  # the next row was computed after this very token
+                kept += 1
+            else:
+                rows.clear()
             if token in stop_token_ids:
                 finish_reason = "stop"
                 break
@@ -97,27 +119,51 @@ def generate(
             unsent.append(token)
             if model_logprobs is not None:
                 unsent_logprobs.append(logprobs.for_token(model_logprobs, token, request.logprobs))
-            text, hit_stop_string = stops.push(detok.push(token))
-            if text:
-                emit(Event(text=text, token_ids=tuple(unsent), logprobs=tuple(unsent_logprobs)))
-                unsent.clear()
-                unsent_logprobs.clear()
+            piece, hit_stop_string = stops.push(detok.push(token))
+            text += piece
             if hit_stop_string or grammar_done:
                 finish_reason = "stop"
                 break
+            if drafter is not None:
+                drafter.append(token)
+            if rows:  # a confirmed draft: its row is next
+                if grammar is not None:
+                    grammar.fill_mask()
+                continue
+            if fed:  # the verify is over: a draft was rejected, or every row used
+                drafter.observe(kept, fed)
+                forget(drafts)
+                drafted, accepted = drafted + fed, accepted + kept
+                drafts, fed, kept = [], 0, 0
+            if text:
+                emit(Event(text=text, token_ids=tuple(unsent), logprobs=tuple(unsent_logprobs)))
+                text, unsent, unsent_logprobs = "", [], []
             if step + 1 < budget:
-                logits = runner.forward([token], slot.cache, decode=True)
+                if cancelled():
+                    return
+                drafts = drafter.propose(budget - step - 2) if drafter is not None else []
+                if drafts:
+                    rows = list(runner.verify([token, *drafts], slot.cache))
+                else:
+                    rows = [runner.forward([token], slot.cache, decode=True)]
                 if grammar is not None:
                     grammar.fill_mask()  # on CUDA, while the forward's kernels run
-                slot.tokens.append(token)
+                slot.tokens += [token, *drafts]
+                fed = len(drafts)
                 counters["decode_steps"] += 1
-        if not hit_stop_string and (rest := stops.flush()):
-            emit(Event(text=rest, token_ids=tuple(unsent), logprobs=tuple(unsent_logprobs)))
+        forget(drafts)
+        drafted, accepted = drafted + fed, accepted + kept
+        rest = "" if hit_stop_string else stops.flush()
+        if text or rest:
+            emit(Event(text=text + rest, token_ids=tuple(unsent), logprobs=tuple(unsent_logprobs)))
     except BaseException:
         slots.discard(slot)
         raise
     finally:
         slots.enforce_budget()
+    counters["drafted_tokens"] += drafted
+    counters["accepted_tokens"] += accepted
     # After the budget holds, so that whoever gets the last event sees the pool as it stays.
-    usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(history.output_ids), cached_tokens=reused)
+    usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(history.output_ids), cached_tokens=reused,
+                  accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted)
     emit(Event(finish_reason=finish_reason, usage=usage))

@@ -35,6 +35,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # up to 4 strings, matched on decoded text
     logprobs: int | None = None  # None: none computed; n: each token's logprob and the n most likely
     grammar: Grammar | None = None  # constrains the generated text (structured outputs, function calls)
+    prediction_ids: list[int] = field(default_factory=list)  # text the reply is expected to repeat (drafts)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens taken from a KV slot instead of prefilled
+    accepted_prediction_tokens: int = 0  # drafted tokens the sampler confirmed (speculation)
+    rejected_prediction_tokens: int = 0  # drafted tokens it did not
 
     @property
     def total_tokens(self) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tornchat.engine import decode
+from tornchat.engine import decode, speculate
 from tornchat.engine.model import Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.types import Event, GenerationRequest, QueueFull
@@ -89,7 +89,9 @@ class EngineStats:
             "failed": 0,
             "prefill_tokens": 0,
             "reused_tokens": 0,
-            "decode_steps": 0,
+            "decode_steps": 0,  # forwards after the prompt: one-token steps and verifies alike
+            "drafted_tokens": 0,
+            "accepted_tokens": 0,
         }
     )
     last_prefill_tokens: int = 0
@@ -113,12 +115,14 @@ class Engine:
         slots: SlotPool,
         max_queue: int = 16,
         on_this_thread: bool = False,
+        speculation: speculate.Costs | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
         self.stop_token_ids = stop_token_ids
         self.slots = slots
         self.max_queue = max_queue
+        self.speculation = speculation  # None: one token per forward
         self.stats = EngineStats()
         self.fault = Fault.from_env()
         self._waiting: deque[Handle] = deque()
@@ -244,6 +248,7 @@ class Engine:
                 emit,
                 self.fault.arm(cancelled) if self.fault else cancelled,
                 counters,
+                self.speculation,
             )
             if not finished:
                 counters["cancelled"] += 1

@@ -1,0 +1,165 @@
+"""Prompt-lookup speculation: what the drafter proposes, how long its drafts are, and that the text never
+changes with it on (greedy and seeded, with every request option that touches the logits)."""
+import numpy as np
+import pytest
+
+from tornchat import prompt
+from tornchat.engine import speculate
+from tornchat.engine.grammar import Compiler, json_value
+from tornchat.engine.slots import SlotPool
+from tornchat.engine.speculate import Costs, Drafter
+from tornchat.engine.types import GenerationRequest, SamplingParams
+from tornchat.engine.worker import Engine
+
+from runners import lean
+
+CHEAP = Costs((1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35))  # drafts pay even at a low acceptance
+FREE = Costs((1.0,) * 8)  # every draft as long as it can be
+LINEAR = Costs(tuple(float(r) for r in range(1, 9)))  # a verify costs its rows in steps: never pays
+
+
+def test_latest_end_finds_the_last_occurrence_that_something_follows():
+    tokens = np.array([5, 6, 7, 1, 5, 6, 9, 5, 6])
+    assert speculate._latest_end(tokens, np.array([5, 6])) == 6  # not the one at the very end
+    assert speculate._latest_end(tokens, np.array([6, 7, 1])) == 4
+    assert speculate._latest_end(tokens, np.array([4])) is None
+    assert speculate._latest_end(np.array([3]), np.array([3])) is None
+
+
+def test_longest_match_first_and_the_prediction_before_the_context():
+    drafter = Drafter(FREE, [1, 2, 3, 40, 41, 9, 3, 50, 51, 52, 2, 3], prediction=[], capacity=8)
+    assert drafter.propose(2) == [40, 41]  # "2 3" matches once (at the start); "3" alone would say 50
+    drafter = Drafter(FREE, [8, 3, 50, 51, 9, 9, 3], prediction=[], capacity=8)
+    assert drafter.propose(3) == [50, 51, 9]  # only "3" matches; the most recent occurrence with a follower
+    drafter = Drafter(FREE, [7, 1, 2, 60, 1, 2], prediction=[1, 2, 70, 71], capacity=8)
+    assert drafter.propose(4) == [70, 71]  # the prediction first, up to its end
+    assert Drafter(FREE, [1, 2, 3], prediction=[], capacity=8).propose(4) == []  # nothing to look up
+
+
+def test_a_followed_draft_continues_where_it_left_off_not_at_the_latest_repeat():
+    source = [10, 11, 12, 13, 14, 10, 11, 12, 15, 16]  # "10 11 12" twice: the latest copy goes to 15
+    drafter = Drafter(FREE, [99], prediction=source, capacity=16)
+    for token in (10, 11, 12):
+        drafter.append(token)
+    assert drafter.propose(2) == [15, 16]  # latest occurrence of "10 11 12"
+    drafter = Drafter(FREE, [99], prediction=source, capacity=16)
+    drafter.append(10)
+    assert drafter.propose(2) == [11, 12]  # latest "10" is at index 5: drafts 11 12 from there
+    drafter.follow = (True, 3)  # as if the draft had come from the first copy
+    for token in (11, 12):
+        drafter.append(token)
+    drafter.observe(2, 2)
+    assert drafter.propose(2) == [13, 14]  # the first copy, continued
+
+
+def test_draft_length_is_the_best_bet_at_the_estimated_acceptance():
+    assert LINEAR.best_draft(0.99, 7) == 0 and not LINEAR.pays()
+    assert CHEAP.pays()
+    assert CHEAP.best_draft(0.9, 7) == 7 and CHEAP.best_draft(0.9, 2) == 2
+    costs = Costs((1.0, 1.2, 1.5, 1.75, 2.4))
+    assert costs.best_draft(0.1, 4) == 0  # 1.1 tokens for 1.2 steps
+    assert costs.best_draft(0.5, 4) == 1  # 1.5 / 1.2 beats 1.75 / 1.5
+    assert costs.best_draft(0.9, 4) == 3  # 3.44 / 1.75; four drafts' 4.1 / 2.4 is worse
+
+
+def test_misses_shrink_drafts_to_none_and_faded_evidence_tries_again():
+    costs = Costs((1.0, 1.2, 1.5, 1.75, 2.4))
+    drafter = Drafter(costs, [5, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], prediction=[], capacity=400)
+    assert drafter.propose(4) == [4]  # "1 2 3": at the 3-gram prior (0.6), one draft is the best bet
+    for _ in range(5):
+        drafter.observe(0, 1)
+    assert drafter.propose(4) == []  # the match is there, but 3-gram drafts have stopped paying
+    for _ in range(60):
+        drafter.append(0)
+    for token in (1, 2, 3):
+        drafter.append(token)
+    assert drafter.propose(4) == [0]  # the misses have faded towards the prior: the latest "1 2 3" again
+
+
+@pytest.fixture(scope="module")
+def int4_runner(smol):
+    return lean(smol.model, "int4")
+
+
+FUNCTION = """def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    averages = []
+    total = 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        if index >= window - 1:
+            averages.append(total / window)
+    return averages
+"""
+EDIT = f"Rename the variable `total` to `running` in this function. Reply with the whole function only.\n\n{FUNCTION}"
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1234)
+OPTIONS = {
+    "greedy": dict(sampling=SamplingParams(temperature=0.0)),
+    "seeded": dict(sampling=SEEDED),
+    "penalties and logprobs": dict(logprobs=3, sampling=SamplingParams(
+        temperature=0.5, seed=99, frequency_penalty=0.05, presence_penalty=0.05, repetition_penalty=1.02,
+        logit_bias=((28, -2.0),), min_p=0.05)),
+    "stop string": dict(sampling=SamplingParams(temperature=0.0), stop=("return",)),
+    "odd max_tokens": dict(sampling=SEEDED, max_tokens=37),
+}
+
+
+def generate(engine: Engine, ids: list[int], **options) -> tuple[list[int], str, list, object]:
+    options.setdefault("max_tokens", 160)
+    events = list(engine.generate(GenerationRequest(list(ids), **options)))
+    tokens = [t for e in events for t in e.token_ids]
+    return tokens, "".join(e.text for e in events), [lp for e in events for lp in e.logprobs], events[-1]
+
+
+@pytest.fixture(scope="module")
+def engines(smol, int4_runner):
+    tokenizer, stops = smol.tokenizer, prompt.stop_token_ids(smol.tokenizer, smol.generation_config)
+    pair = {costs: Engine(int4_runner, tokenizer, stops, SlotPool(int4_runner, 2, 1 << 30), speculation=costs)
+            for costs in (None, CHEAP)}
+    yield pair
+    for engine in pair.values():
+        engine.close()
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_speculation_changes_nothing_in_the_reply(smol, engines, option):
+    ids = prompt.encode(smol.tokenizer, prompt.render(smol.tokenizer, [{"role": "user", "content": EDIT}]))
+    plain = generate(engines[None], ids, **OPTIONS[option])
+    drafted = generate(engines[CHEAP], ids, prediction_ids=smol.tokenizer(FUNCTION)["input_ids"], **OPTIONS[option])
+    assert drafted[:3] == plain[:3]  # ids, text, logprobs
+    assert drafted[3].finish_reason == plain[3].finish_reason
+    assert drafted[3].usage.completion_tokens == plain[3].usage.completion_tokens
+    usage = drafted[3].usage
+    assert usage.accepted_prediction_tokens > 0
+    assert plain[3].usage.accepted_prediction_tokens == plain[3].usage.rejected_prediction_tokens == 0
+    if option == "greedy":  # a small model copying code: most of it comes from drafts
+        assert usage.accepted_prediction_tokens > usage.completion_tokens / 3
+
+
+def test_speculation_keeps_a_grammar_exact(smol, engines):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+              "required": ["name", "tags"]}
+    ask = 'Describe the function as JSON: {"name": ..., "tags": [...]}.\n\n' + FUNCTION
+    ids = prompt.encode(smol.tokenizer, prompt.render(smol.tokenizer, [{"role": "user", "content": ask}]))
+    compiler = Compiler(smol.tokenizer)
+    replies = [generate(engine, ids, sampling=SEEDED, grammar=compiler.compile(f"start: {json_value(schema)}"))
+               for engine in engines.values()]
+    assert replies[0][:3] == replies[1][:3]
+    assert replies[0][1].startswith("{")
+    assert replies[1][3].usage.accepted_prediction_tokens + replies[1][3].usage.rejected_prediction_tokens > 0
+
+
+def test_the_cache_after_a_speculative_reply_serves_the_next_turn(smol, engines):
+    """Rejected drafts leave the slot's cache: the next turn reuses the reply and continues identically."""
+    ids = prompt.encode(smol.tokenizer, prompt.render(smol.tokenizer, [{"role": "user", "content": EDIT}]))
+    turns = []
+    for engine in engines.values():
+        first = generate(engine, ids, sampling=SEEDED)
+        follow_up = ids + first[0] + smol.tokenizer("\nNow add a docstring.")["input_ids"]
+        second = generate(engine, follow_up, sampling=SamplingParams(temperature=0.0))
+        assert second[3].usage.cached_tokens >= len(ids) + len(first[0]) - 1
+        turns.append((first[:3], second[:3]))
+    assert turns[0] == turns[1]

@@ -1,0 +1,156 @@
+"""Prompt-lookup speculation: draft the next tokens from text the conversation already holds.
+
+A reply often repeats what came before it: code being edited, a quoted
+source, JSON filled from the prompt, a small model's own loops. The drafter
+looks the last n tokens (n = 3, 2, 1) up in the request's ``prediction``
+(OpenAI's Predicted Outputs), then in the prompt and the reply so far, most
+recent occurrence first, and proposes the tokens that followed. The decode
+loop checks them with one ``Runner.verify`` and keeps those its sampler
+would have chosen anyway, so speculation changes speed, never text.
+
+How many to draft is a bet: a verify over r rows costs ``Costs.relative``
+one-token steps (measured on this machine, ``measure``), and each draft is
+accepted with a probability the drafter estimates from its recent hits.
+It drafts the length with the most expected tokens per unit of cost, which
+is none at all where nothing matches or acceptance has fallen too low.
+"""
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_DRAFT = 7  # a verify of 8 rows; PyTorch's int4 kernel cost 3.5x a row's at 8 rows on AVX-512
+NGRAMS = (3, 2, 1)
+# A draft's kind: 0 where the reply still follows the previous draft's source, else 1 + NGRAMS.index(n) for
+# a match of the last n tokens. Longer matches are right more often; each kind keeps its own evidence,
+# starting from PRIOR_ACCEPTANCE as if PRIOR_WEIGHT drafts had been seen.
+PRIOR_ACCEPTANCE = (0.7, 0.6, 0.4, 0.25)
+PRIOR_WEIGHT = 2.0
+DECAY = 0.97  # per token: evidence fades back to the prior, so after a run of misses a kind is tried again
+AUTO_ACCEPTANCE = 0.5  # --speculate auto turns speculation on where a draft pays at this acceptance
+
+
+@dataclass(frozen=True)
+class Costs:
+    """relative[r - 1]: seconds of a verify over r rows divided by those of a one-token decode step."""
+
+    relative: tuple[float, ...]
+
+    def best_draft(self, acceptance: float, available: int) -> int:
+        """The draft length with the most tokens per unit of cost: a verify of k drafts yields
+        1 + a + ... + a^k tokens on average when each is accepted with probability a."""
+        best, best_rate = 0, 1.0
+        for k in range(1, min(available, len(self.relative) - 1) + 1):
+            rate = sum(acceptance**i for i in range(k + 1)) / self.relative[k]
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def pays(self) -> bool:
+        """Whether some draft length beats plain steps at AUTO_ACCEPTANCE (``--speculate auto``)."""
+        return self.best_draft(AUTO_ACCEPTANCE, MAX_DRAFT) > 0
+
+
+def measure(runner, ids: list[int], repeats: int = 5) -> Costs:
+    """Median verify times over 1..MAX_DRAFT + 1 rows after a prompt of ids, relative to one row's."""
+    cache = runner.new_cache()
+    runner.forward(ids, cache)
+    start = cache.length
+    medians = []
+    for rows in range(1, MAX_DRAFT + 2):
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            runner.truncate(cache, start)
+            began = time.perf_counter()
+            runner.verify(ids[:rows], cache)
+            times.append(time.perf_counter() - began)
+        medians.append(statistics.median(times[1:]))
+    return Costs(tuple(round(m / medians[0], 3) for m in medians))
+
+
+class Drafter:
+    """Proposes drafts for one request and learns how often they are accepted.
+
+    ``context``: the prompt's ids; ``append`` adds each token of the reply.
+    ``prediction``: ids of text the reply is expected to repeat.
+    """
+
+    def __init__(self, costs: Costs, context: list[int], prediction: list[int], capacity: int):
+        self.costs = costs
+        self.ids = np.zeros(len(context) + capacity, dtype=np.int64)  # prompt then reply, grown in place
+        self.ids[: len(context)] = context
+        self.length = len(context)
+        self.prediction = np.asarray(prediction, dtype=np.int64)
+        self.accepted = np.zeros(len(PRIOR_ACCEPTANCE))  # evidence per kind, decayed
+        self.missed = np.zeros(len(PRIOR_ACCEPTANCE))
+        self.follow: tuple[bool, int] | None = None  # (from the prediction?, end) of the last draft, to continue it
+        self.kind = 0  # of the last draft
+
+    def append(self, token: int) -> None:
+        self.ids[self.length] = token
+        self.length += 1
+        self.accepted *= DECAY
+        self.missed *= DECAY
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        """The last draft's verify kept ``accepted`` of its ``drafted`` tokens (the first rejection ends it)."""
+        self.accepted[self.kind] += accepted
+        self.missed[self.kind] += accepted < drafted
+
+    def acceptance(self, kind: int) -> float:
+        """Estimated probability that each token of a draft of this kind is accepted."""
+        prior = PRIOR_ACCEPTANCE[kind] * PRIOR_WEIGHT
+        return (self.accepted[kind] + prior) / (self.accepted[kind] + self.missed[kind] + PRIOR_WEIGHT)
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens to verify after the last one; none when nothing matches or drafting
+        would not pay at the acceptance estimated for the match found."""
+        context = self.ids[: self.length]
+        found = self._continuation(context) or self._lookup(context)
+        self.follow = None
+        if found is None:
+            return []
+        self.kind, predicted, end = found
+        source = self.prediction if predicted else context
+        k = self.costs.best_draft(self.acceptance(self.kind), min(limit, len(source) - end))
+        if k == 0:
+            return []
+        self.follow = (predicted, end + k)
+        return source[end : end + k].tolist()
+
+    def _continuation(self, context: np.ndarray) -> tuple[int, bool, int] | None:
+        """Where the previous draft left off, if the reply has followed its source up to there: repeated
+        n-grams (every "return" in a function) would otherwise send the draft to the wrong copy."""
+        if self.follow is None:
+            return None
+        predicted, end = self.follow
+        source = self.prediction if predicted else context
+        n = min(NGRAMS[0], end)
+        if end < len(source) and np.array_equal(source[end - n : end], context[-n:]):
+            return 0, predicted, end
+        return None
+
+    def _lookup(self, context: np.ndarray) -> tuple[int, bool, int] | None:
+        """(kind, from the prediction?, end) of the latest occurrence of the reply's last n tokens, longest n
+        first, in the prediction before the context."""
+        for kind, n in enumerate(NGRAMS, start=1):
+            pattern = context[-n:]
+            for predicted, source in ((True, self.prediction), (False, context)):
+                end = _latest_end(source, pattern)
+                if end is not None:
+                    return kind, predicted, end
+        return None
+
+
+def _latest_end(tokens: np.ndarray, pattern: np.ndarray) -> int | None:
+    """The end of pattern's last occurrence in tokens that some token follows, or None (an occurrence at
+    the very end, as the context's own last tokens are, has nothing to propose)."""
+    starts = len(tokens) - len(pattern)  # an occurrence at s is followed by a token when s < starts
+    if starts <= 0:
+        return None
+    hits = np.ones(starts, dtype=bool)
+    for j, token in enumerate(pattern):
+        hits &= tokens[j : j + starts] == token
+    found = np.flatnonzero(hits)
+    return int(found[-1]) + len(pattern) if len(found) else None
