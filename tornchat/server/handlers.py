@@ -179,6 +179,12 @@ class GenerationHandler(BaseHandler):
         """The bytes of each token id where the request asked for logprobs, else None."""
         return spellings(self.engine.tokenizer) if request.logprobs is not None else None
 
+    def _prediction_ids(self, request: validate.Request) -> list[int]:
+        """The prediction's tokens, drafted from where speculation is on (and ignored where it is off)."""
+        if not request.prediction:
+            return []
+        return self.engine.tokenizer(request.prediction, add_special_tokens=False)["input_ids"]
+
     async def generate(self, generation: GenerationRequest, reply, parser, request: validate.Request) -> None:
         self.events: Queue[Event | None] = Queue()
         loop = IOLoop.current()
@@ -313,6 +319,7 @@ class ChatCompletionsHandler(GenerationHandler):
             stop=request.stop + plan.stops,
             logprobs=request.logprobs,
             grammar=self._grammar(plan.grammar),
+            prediction_ids=self._prediction_ids(request),
         )
         await self.generate(generation, replies.Reply(request.call_style, self.spelling(request)), plan.parser, request)
 
@@ -326,7 +333,8 @@ class CompletionsHandler(GenerationHandler):
         if not ids:
             raise invalid("prompt is empty")
         generation = GenerationRequest(
-            prompt_ids=ids, sampling=request.sampling, max_tokens=request.max_tokens, stop=request.stop, logprobs=request.logprobs
+            prompt_ids=ids, sampling=request.sampling, max_tokens=request.max_tokens, stop=request.stop,
+            logprobs=request.logprobs, prediction_ids=self._prediction_ids(request),
         )
         await self.generate(generation, replies.TextReply(self.spelling(request)), None, request)
 

@@ -46,6 +46,16 @@ USAGE = {
             "type": "object",
             "properties": {"cached_tokens": {"type": "integer", "minimum": 0, "description": "Taken from a KV-cache slot"}},
         },
+        "completion_tokens_details": {
+            "type": "object",
+            "properties": {
+                "reasoning_tokens": {"type": "integer", "minimum": 0},
+                "accepted_prediction_tokens": {"type": "integer", "minimum": 0,
+                                               "description": "Drafted tokens (speculation) the sampler kept"},
+                "rejected_prediction_tokens": {"type": "integer", "minimum": 0,
+                                               "description": "Drafted tokens it did not keep"},
+            },
+        },
     },
 }
 FINISH_REASON = {"enum": ["stop", "length", "function_call", "tool_calls"]}
@@ -106,6 +116,12 @@ SAMPLING = {
     ),
     "seed": _optional({"type": "integer"}),
     "stream": _optional({"type": "boolean"}),
+    "prediction": _optional({
+        "type": "object", "required": ["type", "content"],
+        "properties": {"type": {"const": "content"},
+                       "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}},
+        "description": "Predicted Outputs: text the reply is expected to repeat; drafts come from it where speculation is on",
+    }),
     "stream_options": _optional({"type": "object", "properties": {"include_usage": _optional({"type": "boolean"})}}),
     "stop": _optional({"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}}]}),
     "n": _optional({"const": 1}),

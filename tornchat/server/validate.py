@@ -33,6 +33,7 @@ class Request:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # None: not asked; n: with the n most likely tokens at each position
+    prediction: str = ""  # Predicted Outputs: text the reply is expected to repeat, drafted from
 
 
 @dataclass
@@ -111,6 +112,7 @@ def _shared(data: dict, vocab_size: int) -> dict:
         "stop": _stop(data.get("stop")),
         "stream": bool(_boolean(data, "stream")),
         "include_usage": bool(_boolean(stream_options, "include_usage", "stream_options.include_usage")),
+        "prediction": _prediction(data.get("prediction")),
     }
 
 
@@ -275,6 +277,15 @@ def _content(raw: dict, where: str, nullable: bool) -> str:
             texts.append(part["text"])
         return "".join(texts)
     raise invalid(f"{where}.content must be a string")
+
+
+def _prediction(value) -> str:
+    """OpenAI's Predicted Outputs: {"type": "content", "content": text or text parts}."""
+    if value is None:
+        return ""
+    if not isinstance(value, dict) or value.get("type") != "content":
+        raise invalid('prediction must be {"type": "content", "content": ...}')
+    return _content(value, "prediction", nullable=False)
 
 
 def _call(value, where: str) -> dict:
