@@ -204,12 +204,13 @@ class Server:
         return self.rss.peak
 
 
-def stream_once(client, model: str, messages: list[dict], max_tokens: int, tokenizer) -> dict:
-    """One streamed, greedy completion, timed at the client."""
+def stream_once(client, model: str, messages: list[dict], max_tokens: int, tokenizer, **options) -> dict:
+    """One streamed completion, timed at the client: greedy unless options (request fields such as
+    temperature, seed, prediction) say otherwise."""
     started = time.perf_counter()
     stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True},
+        model=model, messages=messages, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+        **{"temperature": 0.0, **options},
     )
     arrivals, pieces, usage = [], [], None
     for event in stream:
@@ -235,6 +236,7 @@ def stream_once(client, model: str, messages: list[dict], max_tokens: int, token
         "decode_tok_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
         "gaps_ms": [1000 * (b - a) for a, b in zip(arrivals, arrivals[1:])],
         "server_prompt_tokens": usage.prompt_tokens if usage else None,
+        "usage": usage.model_dump(exclude_none=True) if usage else None,
         "text": text,
     }
 
