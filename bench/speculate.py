@@ -317,8 +317,8 @@ def markdown(report: dict) -> str:
         lines += ["", "llama.cpp's greedy text with its prompt lookup equals its text without: "
                   + "; ".join(f"{key.split(' / ')[0]} {'yes' if same else 'no'}" for key, same in agreement.items()) + "."]
 
-    lines += ["", "Decode tok/s: completion tokens (the server's `usage`, else the reply re-tokenized) after the first, "
-              "over the time from the first to the last streamed chunk. Accepted / drafted: the response's "
+    lines += ["", "Decode tok/s: completion tokens (the server's `usage`; else max_tokens for a reply cut there, or "
+              "the reply re-tokenized) after the first, over the time from the first to the last streamed chunk. Accepted / drafted: the response's "
               "`usage.completion_tokens_details` (`accepted_prediction_tokens`, `rejected_prediction_tokens`); "
               "llama.cpp reports neither. Accepted per verify: the server's accepted-tokens counter over its "
               "verify-step counter (deltas of `/metrics` around each request), where it has one. Tokens per chunk: "
