@@ -13,9 +13,10 @@ also seeded (temperature 0.8, seed 1234).
 
 Per workload and system: decode tokens/s, TTFT, completion tokens, drafted
 tokens accepted and rejected (the response's
-usage.completion_tokens_details), and the deltas of the server's
-`tornchat_speculative_*` Prometheus counters around each request (accepted
-per verify step where the server counts verify steps). The exactness check:
+usage.completion_tokens_details), and from the deltas of the server's
+`tornchat_speculative_*` and `tornchat_engine_*` Prometheus counters around
+each request, tokens per forward (and accepted per verify step where the
+server counts verify steps). The exactness check:
 tornchat's text with speculation on (and with a prediction) must equal its
 text with speculation off, greedy and seeded; the script exits 1 when one
 differs.
@@ -52,7 +53,11 @@ from tornchat import checkpoint  # noqa: E402
 # Request fields per sampling mode. The seeded mode is where exactness is hardest: the sampler's draws must
 # not depend on how many tokens a verify step covered.
 MODES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 1234}}
-SPECULATIVE_PREFIX = "tornchat_speculative_"
+# Counters read from /metrics around each request: the speculative ones (drafted, accepted, verify steps
+# where counted) and the engine's, whose decode_steps counts every forward after the prompt, verifies included.
+COUNTER_PREFIXES = ("tornchat_speculative_", "tornchat_engine_")
+ACCEPTED_COUNTERS = ("tornchat_speculative_accepted_tokens_total", "tornchat_engine_accepted_tokens_total")
+FORWARDS_COUNTER = "tornchat_engine_decode_steps_total"
 # Ratios of decode tokens/s the tables show, (numerator, denominator), where both systems ran.
 RATIOS = [
     ("tornchat-lookup", "tornchat-none"),
@@ -104,7 +109,8 @@ CONTENDERS = {
 
 
 def scrape(port: int) -> dict[str, float] | None:
-    """The server's speculative counters, summed over labels; None where it has no /metrics (llama.cpp)."""
+    """The server's speculative and engine counters, summed over labels; None where it has no /metrics
+    (llama.cpp)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             text = reply.read().decode()
@@ -113,7 +119,7 @@ def scrape(port: int) -> dict[str, float] | None:
     counters: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.startswith(SPECULATIVE_PREFIX) and sample.name.endswith("_total"):
+            if sample.name.startswith(COUNTER_PREFIXES) and sample.name.endswith("_total"):
                 counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
     return counters
 
@@ -143,9 +149,12 @@ def summarize(runs: list[dict]) -> dict:
     if all(delta is not None for delta in deltas):
         metrics = {name: sum(delta.get(name, 0.0) for delta in deltas) for name in deltas[0]}
     drafted = (accepted + rejected) if accepted is not None else None
-    accepted_metric = (metrics or {}).get(f"{SPECULATIVE_PREFIX}accepted_tokens_total")
-    # Verify steps are counted under whatever name the server gives them; accepted per step needs one.
-    verify = next((value for name, value in (metrics or {}).items() if "verif" in name), None)
+    metrics_accepted = next(((metrics or {})[name] for name in ACCEPTED_COUNTERS if name in (metrics or {})), None)
+    # Verify steps are counted under whatever name the server gives them, where it counts them.
+    verifies = next((value for name, value in (metrics or {}).items() if "verif" in name), None)
+    forwards = (metrics or {}).get(FORWARDS_COUNTER)
+    # The first token of each reply comes from the prompt's forward; the rest from the forwards after it.
+    later_tokens = sum(run["completion_tokens"] - 1 for run in runs)
     chunks = sum(run["chunks"] for run in runs)
     return {
         "decode_tok_s": statistics.median(rates) if rates else None,
@@ -156,7 +165,8 @@ def summarize(runs: list[dict]) -> dict:
         "drafted": drafted,
         "acceptance": accepted / drafted if drafted else None,
         "metrics": metrics,
-        "accepted_per_verify": accepted_metric / verify if verify and accepted_metric is not None else None,
+        "accepted_per_verify": metrics_accepted / verifies if verifies and metrics_accepted is not None else None,
+        "tokens_per_forward": later_tokens / forwards if forwards else None,
         "tokens_per_chunk": sum(run["completion_tokens"] for run in runs) / chunks if chunks else None,
         "texts": sorted({run["text"] for run in runs}),
         "runs": runs,
@@ -293,15 +303,16 @@ def markdown(report: dict) -> str:
 
     lines += ["", "Per request (medians; drafted tokens summed over the sends):", "",
               "| system | workload | mode | TTFT (ms) | completion tokens | decode tok/s | accepted / drafted "
-              "| acceptance | accepted per verify | tokens per chunk |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| acceptance | tokens per forward | accepted per verify | tokens per chunk |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, result in ran.items():
         for cell in result["cells"].values():
             lines.append(
                 f"| `{name}` | {cell['workload']} | {cell['mode']} | {cell['ttft_s'] * 1000:.0f} "
                 f"| {cell['completion_tokens']} | {fmt(cell['decode_tok_s'], '.1f')} "
                 f"| {fmt(cell['accepted'])} / {fmt(cell['drafted'])} | {fmt(cell['acceptance'], '.0%')} "
-                f"| {fmt(cell['accepted_per_verify'], '.2f')} | {fmt(cell['tokens_per_chunk'], '.2f')} |")
+                f"| {fmt(cell['tokens_per_forward'], '.2f')} | {fmt(cell['accepted_per_verify'], '.2f')} "
+                f"| {fmt(cell['tokens_per_chunk'], '.2f')} |")
 
     checks = report["exactness"]
     if checks:
@@ -320,8 +331,11 @@ def markdown(report: dict) -> str:
     lines += ["", "Decode tok/s: completion tokens (the server's `usage`; else max_tokens for a reply cut there, or "
               "the reply re-tokenized) after the first, over the time from the first to the last streamed chunk. Accepted / drafted: the response's "
               "`usage.completion_tokens_details` (`accepted_prediction_tokens`, `rejected_prediction_tokens`); "
-              "llama.cpp reports neither. Accepted per verify: the server's accepted-tokens counter over its "
-              "verify-step counter (deltas of `/metrics` around each request), where it has one. Tokens per chunk: "
+              "llama.cpp reports neither. Tokens per forward: completion tokens after the first over the engine's "
+              "forwards after the prompt (`tornchat_engine_decode_steps_total`), verifies included: 1.00 without "
+              "speculation, 1 + accepted drafts per forward with it. Accepted per verify: the accepted-tokens counter "
+              "over a verify-step counter, where the server has one. Counters are deltas of `/metrics` around each "
+              "request. Tokens per chunk: "
               "above 1 where accepted drafts reach the client in one event. Load average after each system: "
               + ", ".join(f"`{name}` {result['load_average_after']:.1f}" for name, result in ran.items()) + "."]
     skipped = {name: entry for name, entry in report["systems"].items() if "skipped" in entry}
