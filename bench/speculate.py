@@ -12,14 +12,14 @@ retrieved document, and free chat. Every workload runs greedy; on tornchat
 also seeded (temperature 0.8, seed 1234).
 
 Per workload and system: decode tokens/s, TTFT, completion tokens, drafted
-tokens accepted and rejected (the response's
-usage.completion_tokens_details), and from the deltas of the server's
-`tornchat_speculative_*` and `tornchat_engine_*` Prometheus counters around
-each request, tokens per forward (and accepted per verify step where the
-server counts verify steps). The exactness check:
-tornchat's text with speculation on (and with a prediction) must equal its
-text with speculation off, greedy and seeded; the script exits 1 when one
-differs.
+tokens accepted and rejected (the response's usage.completion_tokens_details;
+the engine's drafted and accepted counters on /metrics go to the JSON), and
+tokens per forward: completion tokens after the first over the engine's
+forwards, verifies included (the tornchat_engine_decode_steps_total delta
+around each request), which is 1 + the mean accepted draft length per
+forward. The exactness check: tornchat's text with speculation on (and with
+a prediction) must equal its text with speculation off, greedy and seeded;
+the script exits 1 when one differs.
 
     python bench/speculate.py                          # every system, embedded model
     python bench/speculate.py --checkpoint-path /work/models/random-llama-1b-Q4_K_M.gguf
@@ -53,11 +53,10 @@ from tornchat import checkpoint  # noqa: E402
 # Request fields per sampling mode. The seeded mode is where exactness is hardest: the sampler's draws must
 # not depend on how many tokens a verify step covered.
 MODES = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 1234}}
-# Counters read from /metrics around each request: the speculative ones (drafted, accepted, verify steps
-# where counted) and the engine's, whose decode_steps counts every forward after the prompt, verifies included.
-COUNTER_PREFIXES = ("tornchat_speculative_", "tornchat_engine_")
-ACCEPTED_COUNTERS = ("tornchat_speculative_accepted_tokens_total", "tornchat_engine_accepted_tokens_total")
-FORWARDS_COUNTER = "tornchat_engine_decode_steps_total"
+# The engine's counters, read from /metrics around each request: drafted and accepted tokens, and
+# decode_steps, every forward after the prompt's (verifies included).
+COUNTERS = {"drafted": "tornchat_engine_drafted_tokens_total", "accepted": "tornchat_engine_accepted_tokens_total",
+            "forwards": "tornchat_engine_decode_steps_total"}
 # Ratios of decode tokens/s the tables show, (numerator, denominator), where both systems ran.
 RATIOS = [
     ("tornchat-lookup", "tornchat-none"),
@@ -109,19 +108,15 @@ CONTENDERS = {
 
 
 def scrape(port: int) -> dict[str, float] | None:
-    """The server's speculative and engine counters, summed over labels; None where it has no /metrics
-    (llama.cpp)."""
+    """The engine's counters (COUNTERS' keys); None where the server has no /metrics (llama.cpp)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
             text = reply.read().decode()
     except urllib.error.HTTPError:
         return None
-    counters: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.startswith(COUNTER_PREFIXES) and sample.name.endswith("_total"):
-                counters[sample.name] = counters.get(sample.name, 0.0) + sample.value
-    return counters
+    names = {name: key for key, name in COUNTERS.items()}
+    return {names[sample.name]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name in names}
 
 
 def counter_delta(before: dict | None, after: dict | None) -> dict[str, float] | None:
@@ -149,10 +144,7 @@ def summarize(runs: list[dict]) -> dict:
     if all(delta is not None for delta in deltas):
         metrics = {name: sum(delta.get(name, 0.0) for delta in deltas) for name in deltas[0]}
     drafted = (accepted + rejected) if accepted is not None else None
-    metrics_accepted = next(((metrics or {})[name] for name in ACCEPTED_COUNTERS if name in (metrics or {})), None)
-    # Verify steps are counted under whatever name the server gives them, where it counts them.
-    verifies = next((value for name, value in (metrics or {}).items() if "verif" in name), None)
-    forwards = (metrics or {}).get(FORWARDS_COUNTER)
+    forwards = (metrics or {}).get("forwards")
     # The first token of each reply comes from the prompt's forward; the rest from the forwards after it.
     later_tokens = sum(run["completion_tokens"] - 1 for run in runs)
     chunks = sum(run["chunks"] for run in runs)
@@ -165,7 +157,6 @@ def summarize(runs: list[dict]) -> dict:
         "drafted": drafted,
         "acceptance": accepted / drafted if drafted else None,
         "metrics": metrics,
-        "accepted_per_verify": metrics_accepted / verifies if verifies and metrics_accepted is not None else None,
         "tokens_per_forward": later_tokens / forwards if forwards else None,
         "tokens_per_chunk": sum(run["completion_tokens"] for run in runs) / chunks if chunks else None,
         "texts": sorted({run["text"] for run in runs}),
@@ -303,16 +294,15 @@ def markdown(report: dict) -> str:
 
     lines += ["", "Per request (medians; drafted tokens summed over the sends):", "",
               "| system | workload | mode | TTFT (ms) | completion tokens | decode tok/s | accepted / drafted "
-              "| acceptance | tokens per forward | accepted per verify | tokens per chunk |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| acceptance | tokens per forward | tokens per chunk |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, result in ran.items():
         for cell in result["cells"].values():
             lines.append(
                 f"| `{name}` | {cell['workload']} | {cell['mode']} | {cell['ttft_s'] * 1000:.0f} "
                 f"| {cell['completion_tokens']} | {fmt(cell['decode_tok_s'], '.1f')} "
                 f"| {fmt(cell['accepted'])} / {fmt(cell['drafted'])} | {fmt(cell['acceptance'], '.0%')} "
-                f"| {fmt(cell['tokens_per_forward'], '.2f')} | {fmt(cell['accepted_per_verify'], '.2f')} "
-                f"| {fmt(cell['tokens_per_chunk'], '.2f')} |")
+                f"| {fmt(cell['tokens_per_forward'], '.2f')} | {fmt(cell['tokens_per_chunk'], '.2f')} |")
 
     checks = report["exactness"]
     if checks:
@@ -332,10 +322,9 @@ def markdown(report: dict) -> str:
               "the reply re-tokenized) after the first, over the time from the first to the last streamed chunk. Accepted / drafted: the response's "
               "`usage.completion_tokens_details` (`accepted_prediction_tokens`, `rejected_prediction_tokens`); "
               "llama.cpp reports neither. Tokens per forward: completion tokens after the first over the engine's "
-              "forwards after the prompt (`tornchat_engine_decode_steps_total`), verifies included: 1.00 without "
-              "speculation, 1 + accepted drafts per forward with it. Accepted per verify: the accepted-tokens counter "
-              "over a verify-step counter, where the server has one. Counters are deltas of `/metrics` around each "
-              "request. Tokens per chunk: "
+              "forwards after the prompt (`tornchat_engine_decode_steps_total` around each request), verifies "
+              "included: 1.00 without speculation, 1 + the mean accepted draft length per forward with it. Tokens "
+              "per chunk: "
               "above 1 where accepted drafts reach the client in one event. Load average after each system: "
               + ", ".join(f"`{name}` {result['load_average_after']:.1f}" for name, result in ran.items()) + "."]
     skipped = {name: entry for name, entry in report["systems"].items() if "skipped" in entry}
