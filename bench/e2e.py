@@ -204,17 +204,20 @@ class Server:
         return self.rss.peak
 
 
-def stream_once(client, model: str, messages: list[dict], max_tokens: int, tokenizer) -> dict:
-    """One streamed, greedy completion, timed at the client."""
+def stream_once(client, model: str, messages: list[dict], max_tokens: int, tokenizer, **options) -> dict:
+    """One streamed completion, timed at the client: greedy unless options (request fields such as
+    temperature, seed, prediction) say otherwise."""
     started = time.perf_counter()
     stream = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True},
+        model=model, messages=messages, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+        **{"temperature": 0.0, **options},
     )
-    arrivals, pieces, usage = [], [], None
+    arrivals, pieces, usage, finish_reason = [], [], None, None
     for event in stream:
         if event.usage:
             usage = event.usage
+        if event.choices and event.choices[0].finish_reason:
+            finish_reason = event.choices[0].finish_reason
         if event.choices and event.choices[0].delta.content:
             arrivals.append(time.perf_counter())
             pieces.append(event.choices[0].delta.content)
@@ -222,19 +225,27 @@ def stream_once(client, model: str, messages: list[dict], max_tokens: int, token
     text = "".join(pieces)
     if not arrivals:
         raise RuntimeError("the stream carried no text")
-    # Servers differ in whether they report usage while streaming; re-tokenizing the
-    # text is the fallback, so every system gets a token count.
-    tokens = usage.completion_tokens if usage else len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # Servers differ in whether they report usage while streaming. Without it, a reply cut by max_tokens
+    # has exactly that many; otherwise re-tokenizing the text is the fallback (it can miscount text the
+    # model spelled in tokens the tokenizer would not pick), so every system gets a token count.
+    if usage:
+        tokens = usage.completion_tokens
+    elif finish_reason == "length":
+        tokens = max_tokens
+    else:
+        tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
     decode_s = arrivals[-1] - arrivals[0]
     return {
         "ttft_s": arrivals[0] - started,
         "total_s": finished - started,
         "completion_tokens": tokens,
         "usage_reported": usage is not None,
+        "finish_reason": finish_reason,
         "chunks": len(arrivals),
         "decode_tok_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
         "gaps_ms": [1000 * (b - a) for a, b in zip(arrivals, arrivals[1:])],
         "server_prompt_tokens": usage.prompt_tokens if usage else None,
+        "usage": usage.model_dump(exclude_none=True) if usage else None,
         "text": text,
     }
 
@@ -385,8 +396,8 @@ def markdown(report: dict) -> str:
         cells = [f"{e['result']['chat'][turn]['ttft_s'] * 1000:.0f} ({e['result']['chat'][turn]['prompt_tokens']})"
                  for e in ran.values()]
         lines.append(f"| {turn + 1} | " + " | ".join(cells) + " |")
-    lines += ["", "Decode tok/s: completion tokens (the server's `usage`, else the reply re-tokenized) after the "
-              "first, over the time from the first to the last streamed chunk. Chunk gaps: time between streamed "
+    lines += ["", "Decode tok/s: completion tokens (the server's `usage`; else max_tokens for a reply cut there, or "
+              "the reply re-tokenized) after the first, over the time from the first to the last streamed chunk. Chunk gaps: time between streamed "
               "chunks with text, over the short prompt and all chat turns; a server that streams words rather than "
               "tokens has fewer, longer gaps (tokens per chunk: "
               + ", ".join(f"{e['label']} {e['result']['tokens_per_chunk']:.2f}" for e in ran.values()) + ")."
