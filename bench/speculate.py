@@ -7,7 +7,9 @@ Server and stream_once): tornchat with `--speculate none`, `lookup` and
 model (`--draft_model prompt-lookup-decoding`, LlamaPromptLookupDecoding).
 Workloads (bench/workloads.py): a code edit that rewrites a 60-line function
 (also sent with the original function as the request's `prediction`, which
-only tornchat takes), a summary quoting its source, an answer quoting a
+only tornchat takes, and with tornchat --speculate none's own reply as the
+prediction: every draft right, the most a verify gives on the machine, and
+the only copying a random-weight model does), a summary quoting its source, an answer quoting a
 retrieved document, and free chat. Every workload runs greedy; on tornchat
 also seeded (temperature 0.8, seed 1234).
 
@@ -165,13 +167,14 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def measure(contender: Contender, port: int, threads: int, cases: list[workloads.SpeculationWorkload],
-            max_tokens: int, repeats: int, tokenizer) -> dict:
+            max_tokens: int, repeats: int, tokenizer, replies: dict) -> dict:
+    """``replies``: tornchat-none's cells where it ran first, for the cases that predict its reply."""
     server = Server(contender.system, port, threads)
     try:
         ready_s = server.wait_ready()  # raises with the log's tail when the server does not start
         print(f"  ready after {ready_s:.1f} s", flush=True)
         try:
-            cells = run_cases(contender, port, cases, max_tokens, repeats, tokenizer)
+            cells = run_cases(contender, port, cases, max_tokens, repeats, tokenizer, replies)
         except Exception as exc:
             if server.process.poll() is None:
                 raise
@@ -185,7 +188,7 @@ def measure(contender: Contender, port: int, threads: int, cases: list[workloads
 
 
 def run_cases(contender: Contender, port: int, cases: list[workloads.SpeculationWorkload], max_tokens: int,
-              repeats: int, tokenizer) -> dict:
+              repeats: int, tokenizer, replies: dict) -> dict:
     from openai import OpenAI
 
     model = contender.system.model
@@ -196,10 +199,15 @@ def run_cases(contender: Contender, port: int, cases: list[workloads.Speculation
     for case in cases:
         if case.prediction is not None and contender.family != "tornchat":
             continue  # llama.cpp's server has no prediction field
-        extra = {"prediction": {"type": "content", "content": case.prediction}} if case.prediction else {}
+        if case.predict_reply and (contender.family != "tornchat" or contender.speculate == "none" or not replies):
+            continue  # needs tornchat-none's replies, and a tornchat that drafts
         for mode, options in MODES.items():
             if mode == "seeded" and contender.family != "tornchat":
                 continue  # the exactness check is tornchat's; llama.cpp is compared greedy
+            prediction = case.prediction
+            if case.predict_reply:
+                prediction = replies[f"{base_case(case, cases).name} / {mode}"]["runs"][0]["text"]
+            extra = {"prediction": {"type": "content", "content": prediction}} if prediction else {}
             runs = []
             for _ in range(repeats):
                 before = scrape(port)
@@ -213,6 +221,12 @@ def run_cases(contender: Contender, port: int, cases: list[workloads.Speculation
     return cells
 
 
+def base_case(case: workloads.SpeculationWorkload, cases: list[workloads.SpeculationWorkload]):
+    """The case with the same messages and no prediction."""
+    return next(other for other in cases if other.messages == case.messages and other.prediction is None
+                and not other.predict_reply)
+
+
 def exactness(report: dict, cases: list[workloads.SpeculationWorkload]) -> list[dict]:
     """Every tornchat reply against tornchat --speculate none's reply to the same messages without a
     prediction, same mode, send by send: the first send of a request prefills the whole prompt, the later
@@ -221,8 +235,7 @@ def exactness(report: dict, cases: list[workloads.SpeculationWorkload]) -> list[
     reference = report["systems"].get("tornchat-none", {}).get("result")
     if reference is None:
         return []
-    base = {case.name: next(other.name for other in cases if other.messages == case.messages and other.prediction is None)
-            for case in cases}
+    base = {case.name: base_case(case, cases).name for case in cases}
     checks = []
     for name, entry in report["systems"].items():
         if not name.startswith("tornchat") or "result" not in entry:
@@ -237,12 +250,16 @@ def exactness(report: dict, cases: list[workloads.SpeculationWorkload]) -> list[
 
 
 def llamacpp_agreement(report: dict) -> dict[str, bool]:
-    """Whether llama.cpp's prompt lookup changes its greedy text (for the reader; not a pass/fail check)."""
+    """Whether llama.cpp's prompt lookup leaves its greedy text as it was, send by send (for the reader;
+    not a pass/fail check)."""
     systems = report["systems"]
     if "result" not in systems.get("llamacpp", {}) or "result" not in systems.get("llamacpp-lookup", {}):
         return {}
     plain, lookup = systems["llamacpp"]["result"]["cells"], systems["llamacpp-lookup"]["result"]["cells"]
-    return {key: plain[key]["texts"] == lookup[key]["texts"] for key in plain if key in lookup}
+    def texts(cell: dict) -> list[str]:
+        return [run["text"] for run in cell["runs"]]
+
+    return {key: texts(plain[key]) == texts(lookup[key]) for key in plain if key in lookup}
 
 
 def markdown(report: dict) -> str:
@@ -345,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="threads for every server (default 2)")
     p.add_argument("--draft-tokens", type=int, default=10,
                    help="llama.cpp's --draft_model_num_pred_tokens (default 10, llama-cpp-python's own default)")
+    p.add_argument("--workloads", help="comma-separated workload names (default: all; a prediction case needs its "
+                                       "plain one too)")
     p.add_argument("--checkpoint-path", help="a GGUF file every system serves (default: the embedded model)")
     args = p.parse_args(argv)
     model = Path(args.checkpoint_path) if args.checkpoint_path else checkpoint.default_gguf_path()
@@ -359,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = checkpoint.gguf_tokenizer(model)
     cases = workloads.speculation_workloads()
+    if args.workloads:
+        names = [name.strip() for name in args.workloads.split(",")]
+        unknown = sorted(set(names) - {case.name for case in cases})
+        if unknown:
+            p.error(f"unknown workloads {', '.join(unknown)}; choose from {', '.join(case.name for case in cases)}")
+        cases = [case for case in cases if case.name in names]
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     report = {
         "started": datetime.now().isoformat(timespec="seconds"),
@@ -381,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"[{name}] starting: {' '.join(system.command)}", flush=True)
         try:
-            entry["result"] = measure(contender, port, args.threads, cases, max_tokens, repeats, tokenizer)
+            replies = report["systems"].get("tornchat-none", {}).get("result", {}).get("cells", {})
+            entry["result"] = measure(contender, port, args.threads, cases, max_tokens, repeats, tokenizer, replies)
         except Exception as exc:  # a system that fails is reported, and the others still run
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             print(f"[{name}] skipped: {reason}", flush=True)

@@ -205,11 +205,15 @@ class SpeculationWorkload:
     name: str
     messages: list[dict]
     prediction: str | None = None  # OpenAI Predicted Outputs' content, where the client knows the likely reply
+    # The prediction is the reply tornchat --speculate none gave to the same request, same mode: every draft
+    # right, the most a verify can give on this machine (a random-weight model copies nothing by itself).
+    predict_reply: bool = False
 
 
 def speculation_workloads() -> list[SpeculationWorkload]:
-    """Each with an explicit system message (see above). The code edit is sent twice: as is, and with the
-    original function as the request's `prediction`, which only tornchat accepts."""
+    """Each with an explicit system message (see above). The code edit is sent three times: as is, with the
+    original function as the request's `prediction`, which only tornchat accepts, and with the reply itself
+    as the prediction (``predict_reply``)."""
     def messages(user: str) -> list[dict]:
         return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
 
@@ -217,6 +221,7 @@ def speculation_workloads() -> list[SpeculationWorkload]:
     return [
         SpeculationWorkload("code edit", code_edit),
         SpeculationWorkload("code edit + prediction", code_edit, prediction=CODE_EDIT_FUNCTION),
+        SpeculationWorkload("code edit + its reply as prediction", code_edit, predict_reply=True),
         SpeculationWorkload("summary quoting its source", messages(SUMMARY_PROMPT.format(document=SUMMARY_DOCUMENT))),
         SpeculationWorkload("answer from a document", messages(RAG_PROMPT.format(document=RAG_DOCUMENT))),
         SpeculationWorkload("free chat", messages(FREE_CHAT_PROMPT)),

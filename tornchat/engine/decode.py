@@ -4,7 +4,9 @@ Everything a researcher changes when tweaking decoding lives here, on one
 screen: the forward calls, then per step the log-probabilities the reply
 reports (of the raw logits, only when asked), the logits processors
 (processors.py), the grammar mask (structured outputs), the sampler call,
-and the stop checks.
+and the stop checks. With speculation (speculate.py) one forward verifies
+drafted tokens and yields a row of logits per step: the steps that follow
+use those rows for as long as the sampled tokens equal the drafts.
 """
 import secrets
 from collections.abc import Callable
