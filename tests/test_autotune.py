@@ -5,6 +5,8 @@ would make; one test runs the real measurement on a tiny model.
 """
 import json
 import logging
+import math
+import time
 from dataclasses import replace
 
 import pytest
@@ -26,7 +28,7 @@ def fake_machine(monkeypatch, step_ms: dict, estimate_ms: dict | None = None, qu
     """Timings and quality by (quantize, inputs); formats in missing raise as a kernel this CPU lacks."""
     calls = {"matmuls": 0, "steps": 0, "quality": 0}
 
-    def time_matmuls(fmt, base):
+    def time_matmuls(fmt, base, bound=math.inf, memo=None):
         calls["matmuls"] += 1
         if (fmt.quantize, fmt.inputs) in missing:
             raise RuntimeError("kernel not built for this CPU\nsecond line")
@@ -132,7 +134,7 @@ def fake_prefill_timings(monkeypatch, table: dict):
         runs.append((x.shape[0], path))
         return real_linear(x, w)
 
-    def timed(fn, repeats, calls):
+    def timed(fn, repeats, calls, limit=math.inf):
         runs.clear()
         fn()
         return table[runs[-1]] / 1000 / 4  # four matrices per layer
@@ -258,3 +260,55 @@ def test_a_quantized_ggufs_blocks_are_a_format_whose_inputs_are_timed(tmp_path, 
     assert isinstance(narrowed.head, quant.Int4Weight) and narrowed.weights.embed is narrowed.head
     step = narrowed.head.dequantize(torch.float32) - weights.head.dequantize(torch.float32)
     assert step.abs().max() < weights.head.dequantize(torch.float32).abs().max() / 7  # half an int4 step at most
+
+
+def test_a_candidate_is_timed_only_until_it_is_ruled_out(tiny_model):
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.02)
+
+    assert autotune._seconds(slow, limit=0.005) >= 0.02 and len(calls) == 1  # the warm-up call says enough
+    calls.clear()
+    autotune._seconds(slow, repeats=2, calls=1, limit=1.0)
+    assert len(calls) == 4  # warm-up, a batch, two repeats
+    base = llama.LlamaRunner(*plain(tiny_model))
+    timed = []
+    real_seconds = autotune._seconds
+    autotune._seconds = lambda fn, repeats=7, calls=10, limit=math.inf: timed.append(limit) or 1.0
+    try:
+        estimate = autotune.time_matmuls(Format("int8", "bf16"), base, bound=0.5)
+    finally:
+        autotune._seconds = real_seconds
+    assert len(timed) == 1 and estimate >= 0.5  # the first matrix alone passed the bound: no more timing
+    assert timed[0] == pytest.approx(0.5 / len(base.layers))
+
+
+def test_candidates_that_round_the_same_matrices_share_them(monkeypatch):
+    from tornchat import checkpoint
+    from tornchat.weights import gguf_file
+
+    config, weights = gguf_file.load(checkpoint.default_gguf_path())
+    rounded = []
+    real_narrowed = quant.narrowed
+    monkeypatch.setattr(quant, "narrowed", lambda w, inputs: rounded.append(w) or real_narrowed(w, inputs))
+    memo = {}
+    first = Format("packed-int4-head", "bf16").runner(config, weights, memo=memo)
+    second = Format("packed-int4-head", "bf16").runner(config, weights, memo=memo)
+    assert first.head is second.head and isinstance(first.head, quant.Int4Weight)
+    assert rounded.count(weights.head) == 1  # rounded once for both
+    Format("packed-int4-head", "fp32").runner(config, weights, memo=memo)
+    assert rounded.count(weights.head) == 2  # other inputs: another rounding
+
+
+def test_quality_scores_one_path_where_prefill_runs_the_decode_kernels(tiny_model):
+    own = llama.LlamaRunner(*plain(tiny_model)).score(IDS, "exact")
+    for prefill, prefill_from, modes in (("kernels", 1, ["decode"]), ("fp32", len(IDS) + 1, ["decode"]),
+                                         ("fp32", 8, ["prefill", "decode"])):
+        runner = Format("int8", "bf16", prefill=prefill, prefill_from=prefill_from).runner(*plain(tiny_model))
+        scored = []
+        real_score = runner.score
+        runner.score = lambda ids, mode, real=real_score: scored.append(mode) or real(ids, mode)
+        assert autotune.passes(autotune.check_quality(runner, IDS, own))
+        assert scored == modes

@@ -69,11 +69,12 @@ class Format:
         prefill = "kernels" if self.prefill == "kernels" else f"{self.prefill} from {self.prefill_from} rows"
         return f"{self.quantize} ({self.inputs} inputs, {self.kv} cache, prefill {prefill})"
 
-    def runner(self, config: LlamaConfig, weights: LlamaWeights, keep: bool = True) -> LlamaRunner:
+    def runner(self, config: LlamaConfig, weights: LlamaWeights, keep: bool = True,
+               memo: dict | None = None) -> LlamaRunner:
         """A runner over weights in this format: packed from plain ones (given up unless ``keep``), or, for
-        ``packed``, the packed weights fed this format's inputs."""
+        ``packed``, the packed weights fed this format's inputs (``packers``' memo)."""
         if self.quantize.startswith("packed"):
-            pack_layer, pack_head = self.packers()
+            pack_layer, pack_head = self.packers(memo)
             head = pack_head(weights.head)
             weights = LlamaWeights(shared_embedding(weights, head), [layer.packed(pack_layer) for layer in weights.layers],
                                    weights.final_norm, head)
@@ -84,9 +85,11 @@ class Format:
         runner.format = self
         return runner
 
-    def packers(self):
+    def packers(self, memo: dict | None = None):
         """(pack a layer matrix, pack the output projection) into this format: from plain weights, or from
-        weights packed while loading (fed this format's inputs, int8 ones rounded onto int4 if it says so)."""
+        weights packed while loading (fed this format's inputs, int8 ones rounded onto int4 if it says so).
+        ``memo`` keeps rounded matrices for the next format that rounds the same ones (a 1B file's int8
+        matrices took 1.8 s to round, for each of two candidates)."""
         inputs = DTYPES[self.inputs]
         if not self.quantize.startswith("packed"):
             pack_layer, pack_head = packers(self.quantize, inputs)
@@ -96,7 +99,12 @@ class Format:
             return quant.fed(w, inputs)
 
         def narrowed(w):
-            return quant.narrowed(w, inputs)
+            if memo is None:
+                return quant.narrowed(w, inputs)
+            key = (id(w), inputs)  # the weights outlive the memo: ids stay theirs
+            if key not in memo:
+                memo[key] = quant.narrowed(w, inputs)
+            return memo[key]
 
         return (as_loaded if self.quantize == "packed" else narrowed), (narrowed if self.quantize == "packed-int4-head" else as_loaded)
 
@@ -140,10 +148,13 @@ def candidates(requested: str, int4_fits: bool, int8_layers: bool = False, int8_
 BATCH_S = 0.05  # a batch of calls longer than this is cut to fewer calls: slow candidates cost little to rule out
 
 
-def _seconds(fn, repeats: int = 7, calls: int = 10) -> float:
-    """Median seconds per call of fn over repeats batches, after a warm-up call and batch."""
+def _seconds(fn, repeats: int = 7, calls: int = 10, limit: float = math.inf) -> float:
+    """Median seconds per call of fn over repeats batches, after a warm-up call and batch; or, where the
+    warm-up call alone takes longer than ``limit``, its time: enough to rule fn out."""
     started = time.perf_counter()
     fn()
+    if time.perf_counter() - started > limit:
+        return time.perf_counter() - started
     calls = max(1, min(calls, int(BATCH_S / max(time.perf_counter() - started, 1e-9))))
     for _ in range(calls):
         fn()
@@ -156,18 +167,22 @@ def _seconds(fn, repeats: int = 7, calls: int = 10) -> float:
     return statistics.median(batches)
 
 
-def time_matmuls(fmt: Format, base: LlamaRunner) -> float:
+def time_matmuls(fmt: Format, base: LlamaRunner, bound: float = math.inf, memo: dict | None = None) -> float:
     """Seconds per token of a decode step's matmuls in fmt: one layer's matrices packed and timed, times the
-    layer count, plus the output projection. Raises RuntimeError where a kernel does not run on this CPU."""
-    pack_layer, pack_head = fmt.packers()
-    total = 0.0
+    layer count, plus the output projection. Timing stops once the estimate passes ``bound`` (a candidate
+    already ruled out: the fp32-input int4 path is a scalar loop, 40x slower, and took seconds to time in
+    full at 1B), returning what it reached. Raises RuntimeError where a kernel does not run on this CPU."""
+    pack_layer, pack_head = fmt.packers(memo)
+    layers, total = len(base.layers), 0.0
     for matrix in base.layers[0].matrices():
         weight = pack_layer(matrix)
         x = torch.randn(1, quant.shape(matrix)[1]).to(quant.input_dtype(weight))
-        total += _seconds(lambda: quant.linear(x, weight))
+        total += _seconds(lambda: quant.linear(x, weight), limit=bound / layers)
+        if total * layers > bound:
+            return total * layers
     head = pack_head(base.head)
     x = torch.randn(1, base.hidden).to(quant.input_dtype(head))
-    return total * len(base.layers) + _seconds(lambda: quant.linear(x, head), repeats=5, calls=3)
+    return total * layers + _seconds(lambda: quant.linear(x, head), repeats=5, calls=3)
 
 
 def time_attention(base: LlamaRunner, dtype: torch.dtype, rows: int) -> float:
@@ -201,7 +216,8 @@ def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
     matrices = runner.layers[0].matrices()
     ms: dict[str, float] = {}
 
-    def timed(rows: int, dtype: torch.dtype | None) -> float:
+    def timed(rows: int, dtype: torch.dtype | None, limit: float = math.inf) -> float:
+        """ms for the layer's matrices on rows, or, once past limit ms, what it took so far."""
         total = 0.0
         for matrix in matrices:
             x = torch.randn(rows, quant.shape(matrix)[1])
@@ -209,7 +225,9 @@ def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
             def run():
                 plain = None if dtype is None else quant.dequantize(matrix, dtype)
                 return quant.linear(x, matrix if plain is None else plain)
-            total += 1000 * _seconds(run, repeats=2 if rows >= 256 else 3, calls=2)
+            total += 1000 * _seconds(run, repeats=2 if rows >= 256 else 3, calls=2, limit=(limit - total) / 1000)
+            if total > limit:
+                break
         return total
 
     longest = PREFILL_LADDER[0]
@@ -218,8 +236,10 @@ def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
     for name, dtype in DTYPES.items():
         if any(quant.dequantize(m, dtype, torch.zeros(1, dtype=torch.long)) is None for m in matrices):
             return "kernels", 1, ms  # a layout only its kernel reads (oneDNN's bf16)
+        # fp32 only has to lose to bf16 by PREFILL_MARGIN to be out; timing stops there.
+        limit = dtypes["bf16"] * PREFILL_MARGIN if "bf16" in dtypes else math.inf
         try:
-            ms[f"{name} {longest}"] = dtypes[name] = timed(longest, dtype)
+            ms[f"{name} {longest}"] = dtypes[name] = timed(longest, dtype, limit)
         except RuntimeError as exc:  # no bf16 matmul in this CPU's build
             log.info("%s prefill matmuls do not run here: %s", name, str(exc).splitlines()[0])
     best = "bf16" if "bf16" in dtypes and dtypes["bf16"] * PREFILL_MARGIN < dtypes["fp32"] else "fp32"
@@ -227,7 +247,8 @@ def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
         return "kernels", 1, ms
     start = longest
     for rows in PREFILL_LADDER[1:]:
-        ms[f"kernels {rows}"], ms[f"{best} {rows}"] = timed(rows, None), timed(rows, DTYPES[best])
+        ms[f"kernels {rows}"] = timed(rows, None)
+        ms[f"{best} {rows}"] = timed(rows, DTYPES[best], limit=ms[f"kernels {rows}"])
         if ms[f"{best} {rows}"] >= ms[f"kernels {rows}"]:
             break
         start = rows
@@ -237,12 +258,14 @@ def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
 def check_quality(runner: LlamaRunner, ids: list[int], own: torch.Tensor) -> dict[str, float]:
     """runner's prefill and decode paths against the model's own logits on ids (``reference``): the worse
     perplexity rise of the two, and the worse agreement of greedy choices at the positions where the model's
-    own logits are not near a tie (random-weight models have few)."""
+    own logits are not near a tie (random-weight models have few). Where a chunk of ids runs the decode
+    kernels (no dequantized prefill at that length), both paths are one computation, scored once."""
     targets = torch.tensor(ids[1:])
     top2 = own.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) >= NEAR_TIE
     rises, agreements = [], []
-    for mode in ("prefill", "decode"):
+    dequantizes = runner.prefill_dtype is not None and len(ids) >= runner.prefill_from
+    for mode in ("prefill", "decode") if dequantizes else ("decode",):
         logits = runner.score(ids, mode)
         rises.append(math.exp(float(F.cross_entropy(logits[:-1], targets) - F.cross_entropy(own[:-1], targets))) - 1)
         same = logits.argmax(-1) == own.argmax(-1)
@@ -310,19 +333,19 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
     int4_fits = all(quant.supports(m, 32) for m in base.layers[0].matrices() if isinstance(m, torch.Tensor))
     int8_layers = any(isinstance(m, quant.Int8Weight) for layer in base.layers for m in layer.matrices())
     bf16_cache, attention_ms = bf16_cache_pays(base)
-    estimates = {}
+    estimates, memo = {}, {}
     for fmt in candidates(requested, int4_fits, int8_layers, isinstance(base.head, quant.Int8Weight)):
         if fmt.quantize != "none":  # none stays the model's own weights throughout: the reference
             fmt = replace(fmt, kv="bf16" if bf16_cache else "fp32")
         try:
-            estimates[fmt] = time_matmuls(fmt, base)
+            estimates[fmt] = time_matmuls(fmt, base, FINALIST_MARGIN * min(estimates.values(), default=math.inf), memo)
         except RuntimeError as exc:  # a kernel this CPU's build lacks
             log.info("decode weights %s do not run here: %s", fmt.label(), str(exc).splitlines()[0])
     if not estimates:
         raise NoFormat(f"--quantize {requested}: none of its kernels runs on this CPU ({cpu.model_name()})")
 
     def build(fmt: Format) -> LlamaRunner:
-        return base if fmt == Format("none") else fmt.runner(config, weights)
+        return base if fmt == Format("none") else fmt.runner(config, weights, memo=memo)
 
     best = min(estimates.values())
     runners = {fmt: build(fmt) for fmt, s in estimates.items() if s <= FINALIST_MARGIN * best}

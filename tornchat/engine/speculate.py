@@ -52,7 +52,7 @@ class Costs:
         return self.best_draft(AUTO_ACCEPTANCE, MAX_DRAFT) > 0
 
 
-def measure(runner, ids: list[int], repeats: int = 5) -> Costs:
+def measure(runner, ids: list[int], repeats: int = 3) -> Costs:
     """Median verify times over 1..MAX_DRAFT + 1 rows after a prompt of ids, relative to one row's."""
     cache = runner.new_cache()
     runner.forward(ids, cache)
