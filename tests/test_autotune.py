@@ -48,6 +48,7 @@ def fake_machine(monkeypatch, step_ms: dict, estimate_ms: dict | None = None, qu
     monkeypatch.setattr(autotune, "time_steps", time_steps)
     monkeypatch.setattr(autotune, "check_quality", check_quality)
     monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (False, {}))
+    monkeypatch.setattr(autotune, "own_attention_pays", lambda base, dtype: (False, {}))
     monkeypatch.setattr(autotune, "prefill_policy", lambda runner: ("kernels", 1, {}))
     return calls
 
@@ -64,9 +65,9 @@ def test_fastest_format_whose_quality_holds(tiny_model, tmp_path, monkeypatch):
     assert not choice.cached and calls["quality"] == 2
     # Only candidates within 3x of the best estimate get whole steps timed: not fp32, nor the scalar fp32-input paths.
     assert calls["steps"] == 3 and len(choice.estimate_ms) == 6
-    assert choice.step_ms == {"bf16 (bf16 inputs, fp32 cache, prefill kernels)": 12.0,
-                              "int8 (bf16 inputs, fp32 cache, prefill kernels)": 9.0,
-                              "int4 (bf16 inputs, fp32 cache, prefill kernels)": 10.0}
+    assert choice.step_ms == {"bf16 (bf16 inputs, fp32 cache, sdpa attention, prefill kernels)": 12.0,
+                              "int8 (bf16 inputs, fp32 cache, sdpa attention, prefill kernels)": 9.0,
+                              "int4 (bf16 inputs, fp32 cache, sdpa attention, prefill kernels)": 10.0}
 
 
 def test_whole_steps_overrule_the_one_layer_estimate(tiny_model, tmp_path, monkeypatch):
@@ -98,7 +99,7 @@ def test_an_explicit_mode_times_its_inputs_and_skips_the_quality_gate(tiny_model
     calls = fake_machine(monkeypatch, {**AVX2_LIKE, ("int8", "fp32"): 8.0}, quality={("int8", "fp32"): 0.5})
     runner, choice = autotune.choose(*plain(tiny_model), "int8", IDS, tmp_path / "d.json", "ckpt")
     assert choice.format == Format("int8", "fp32") and calls["quality"] == 0
-    assert set(choice.estimate_ms) == {"int8 (bf16 inputs, fp32 cache, prefill kernels)", "int8 (fp32 inputs, fp32 cache, prefill kernels)"}
+    assert set(choice.estimate_ms) == {"int8 (bf16 inputs, fp32 cache, sdpa attention, prefill kernels)", "int8 (fp32 inputs, fp32 cache, sdpa attention, prefill kernels)"}
 
 
 def test_int4_is_no_candidate_where_the_shapes_do_not_fit():
@@ -312,3 +313,19 @@ def test_quality_scores_one_path_where_prefill_runs_the_decode_kernels(tiny_mode
         runner.score = lambda ids, mode, real=real_score: scored.append(mode) or real(ids, mode)
         assert autotune.passes(autotune.check_quality(runner, IDS, own))
         assert scored == modes
+
+
+@pytest.mark.parametrize("own_faster", [True, False])
+def test_the_decode_steps_attention_is_the_faster_one(tiny_model, tmp_path, monkeypatch, own_faster):
+    fake_machine(monkeypatch, AVX2_LIKE)
+    monkeypatch.setattr(autotune, "own_attention_pays", lambda base, dtype: (own_faster, {"own": 1.0, "sdpa": 2.0}))
+    runner, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert choice.format.attention == runner.attention == ("own" if own_faster else "sdpa")
+    assert runner.decode_step is not None
+    cached, again = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert again.cached and cached.attention == runner.attention
+
+
+def test_own_attention_is_timed_against_sdpa(tiny_model):
+    pays, ms = autotune.own_attention_pays(llama.LlamaRunner(*plain(tiny_model)), torch.float32)
+    assert set(ms) == {"own", "sdpa"} and pays == (ms["own"] < ms["sdpa"])

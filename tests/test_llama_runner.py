@@ -316,11 +316,12 @@ def test_int4_greedy_and_perplexity_track_fp32(smol, smol_lean):
 
 @pytest.mark.parametrize("mode,inputs", [("int4", torch.bfloat16), ("int4", torch.float32), ("int8", torch.bfloat16),
                                          ("none", torch.float32), ("bf16", torch.bfloat16)])
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", ["own", "sdpa", None])
 def test_verify_rows_are_bit_for_bit_decode_steps(tiny_model, mode, inputs, native):
     """A speculative verify over n rows gives each row exactly the one-token step's logits (greedy stays
-    identical with speculation on), whatever the weight format, with the C++ step or without it."""
-    runner = lean(tiny_model, mode, inputs, prefill_dtype=torch.float32, prefill_from=8)
+    identical with speculation on), whatever the weight format, with the C++ step (either attention) or
+    without it."""
+    runner = lean(tiny_model, mode, inputs, prefill_dtype=torch.float32, prefill_from=8, attention=native or "sdpa")
     if not native:
         runner.decode_step = None
     elif runner.decode_step is None:  # oneDNN's packed bf16 layout has no C++ step: verify runs the steps

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from tornchat.engine import cpu, quant
+from tornchat.engine import cpu, fused, quant
 from tornchat.engine.llama import QUANTIZE, LlamaConfig, LlamaRunner, LlamaWeights, pack, packers, shared_embedding
 
 log = logging.getLogger("tornchat.engine")
@@ -64,10 +64,11 @@ class Format:
     kv: str = "fp32"  # the KV cache's dtype: bf16 | fp32
     prefill: str = "kernels"  # bf16 | fp32: a chunk's matrices dequantized into it | kernels: the decode ones
     prefill_from: int = 1  # chunks of at least this many rows dequantize; shorter ones run the kernels
+    attention: str = "sdpa"  # the C++ decode step's: own (fused.attend) | sdpa
 
     def label(self) -> str:
         prefill = "kernels" if self.prefill == "kernels" else f"{self.prefill} from {self.prefill_from} rows"
-        return f"{self.quantize} ({self.inputs} inputs, {self.kv} cache, prefill {prefill})"
+        return f"{self.quantize} ({self.inputs} inputs, {self.kv} cache, {self.attention} attention, prefill {prefill})"
 
     def runner(self, config: LlamaConfig, weights: LlamaWeights, keep: bool = True,
                memo: dict | None = None) -> LlamaRunner:
@@ -81,7 +82,8 @@ class Format:
         else:
             weights = pack(weights, self.quantize, DTYPES[self.inputs], keep=keep)
         runner = LlamaRunner(config, weights, kv_dtype=DTYPES[self.kv], prefill_from=self.prefill_from,
-                             prefill_dtype=None if self.prefill == "kernels" else DTYPES[self.prefill])
+                             prefill_dtype=None if self.prefill == "kernels" else DTYPES[self.prefill],
+                             attention=self.attention)
         runner.format = self
         return runner
 
@@ -198,6 +200,23 @@ def time_attention(base: LlamaRunner, dtype: torch.dtype, rows: int) -> float:
             F.scaled_dot_product_attention(q, layer[0], layer[1], attn_mask=mask)
 
     return _seconds(every_layer, repeats=3, calls=2) / layers
+
+
+def own_attention_pays(base: LlamaRunner, dtype: torch.dtype) -> tuple[bool, dict[str, float]]:
+    """Whether the C++ step's own attention (``fused.attend``) beats SDPA for one row over
+    ATTENTION_POSITIONS cached ones in a cache of dtype; both give a verify's rows a step's bits."""
+    if not fused.attends(base.head_dim):
+        return False, {}
+    layers = len(base.layers)
+    q = torch.randn(1, base.heads, base.head_dim)
+    kv = torch.randn(layers, 2, ATTENTION_POSITIONS, base.kv_heads, base.head_dim).to(dtype)
+
+    def every_layer():
+        for layer in kv:
+            fused.attend(q, layer[0], layer[1], ATTENTION_POSITIONS - 1, base.scale)
+
+    ms = {"own": 1000 * _seconds(every_layer, repeats=3, calls=2) / layers, "sdpa": 1000 * time_attention(base, dtype, 1)}
+    return ms["own"] < ms["sdpa"], ms
 
 
 def bf16_cache_pays(base: LlamaRunner) -> tuple[bool, dict[str, float]]:
@@ -333,10 +352,12 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
     int4_fits = all(quant.supports(m, 32) for m in base.layers[0].matrices() if isinstance(m, torch.Tensor))
     int8_layers = any(isinstance(m, quant.Int8Weight) for layer in base.layers for m in layer.matrices())
     bf16_cache, attention_ms = bf16_cache_pays(base)
+    own_attention, own_ms = own_attention_pays(base, torch.bfloat16 if bf16_cache else torch.float32)
+    attention_ms.update({f"decode {name}, {'bf16' if bf16_cache else 'fp32'} cache": v for name, v in own_ms.items()})
     estimates, memo = {}, {}
     for fmt in candidates(requested, int4_fits, int8_layers, isinstance(base.head, quant.Int8Weight)):
         if fmt.quantize != "none":  # none stays the model's own weights throughout: the reference
-            fmt = replace(fmt, kv="bf16" if bf16_cache else "fp32")
+            fmt = replace(fmt, kv="bf16" if bf16_cache else "fp32", attention="own" if own_attention else "sdpa")
         try:
             estimates[fmt] = time_matmuls(fmt, base, FINALIST_MARGIN * min(estimates.values(), default=math.inf), memo)
         except RuntimeError as exc:  # a kernel this CPU's build lacks

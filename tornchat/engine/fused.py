@@ -51,6 +51,23 @@ def rope_store_ref(qkv, freqs, keys, values, heads: int, kv_heads: int) -> torch
     return rotated[:, :heads].to(keys.dtype)
 
 
+def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Causal attention of n decode rows: q [n, heads, head_dim] at positions start .. start + n - 1, over a
+    layer's cache, keys and values [capacity, kv_heads, head_dim] (grouped-query: each KV head serves
+    heads / kv_heads query heads). Row r attends to positions 0 .. start + r: softmax(scale * q . k) v, in
+    fp32; returns [n, heads * head_dim]. The C++ decode step's attention (``attend``) computes this."""
+    n, heads, head_dim = q.shape
+    groups = heads // keys.shape[1]
+    rows = []
+    for r in range(n):
+        seen = start + r + 1
+        k = keys[:seen].float().transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, seen, head_dim]
+        v = values[:seen].float().transpose(0, 1).repeat_interleave(groups, dim=0)
+        weights = torch.softmax(scale * (k @ q[r].float()[:, :, None])[..., 0], dim=-1)  # [heads, seen]
+        rows.append((weights[:, None, :] @ v)[:, 0].reshape(heads * head_dim))
+    return torch.stack(rows)
+
+
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of [n, 2F] rows holding gate then up, in fp32, rounded once to the input's dtype."""
     gate, up = gate_up.float().chunk(2, dim=-1)
@@ -68,9 +85,23 @@ REFERENCE = Ops(rms_norm_ref, rope_store_ref, silu_mul_ref)
 NATIVE = Ops(_native.rms_norm, _native.rope_store, _native.silu_mul) if _native else None
 
 
-def native_decode_step(layers, heads: int, kv_heads: int, eps: float, scale: float):
-    """The C++ ``DecodeStep`` over these layers (``llama.Layer``): one call for a one-token decode step,
-    computing what ``LlamaRunner._layers`` does with the native ops. None where it cannot run
+ATTEND_LANES = 16  # the C++ attention's vectors: head_dim must be a multiple, at most 16 of them
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """The C++ step's attention (``attend_ref``'s semantics, each row's bits whatever rows come with it)."""
+    return _native.attend(q, keys, values, start, scale)
+
+
+def attends(head_dim: int) -> bool:
+    """Whether the C++ attention (``attend``) is built and takes this head_dim."""
+    return _native is not None and head_dim % ATTEND_LANES == 0 and head_dim <= 16 * ATTEND_LANES
+
+
+def native_decode_step(layers, heads: int, kv_heads: int, eps: float, scale: float, own_attention: bool):
+    """The C++ ``DecodeStep`` over these layers (``llama.Layer``): one call for a one-token decode step (or a
+    verify's rows), computing what ``LlamaRunner._layers`` does with the native ops; attention by ``attend``
+    (``own_attention``, where ``attends``) or by PyTorch's SDPA a row at a time. None where it cannot run
     them: no extension, or weights in oneDNN's packed bf16 layout."""
     if _native is None:
         return None
@@ -82,7 +113,7 @@ def native_decode_step(layers, heads: int, kv_heads: int, eps: float, scale: flo
         tensors += [layer.attn_norm, layer.ffn_norm, _EMPTY if layer.bqkv is None else layer.bqkv]
         tensors += [t for _, a, b, _ in linears for t in (a, b)]
         ints += [kind for kind, *_ in linears] + [group for *_, group in linears]
-    return _native.DecodeStep(tensors, ints, heads, kv_heads, eps, scale)
+    return _native.DecodeStep(tensors, ints, heads, kv_heads, eps, scale, own_attention)
 
 
 _EMPTY = torch.empty(0)

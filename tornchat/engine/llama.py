@@ -218,14 +218,17 @@ class LlamaRunner:
     ``kv_dtype``: the KV cache's dtype (default: the model's); a bf16 cache
     reads half the bytes in attention over a long context.
     ``ops``: the small per-layer operations (``fused.py``; default: C++ on
-    the CPU where built). With the C++ ones a one-token decode step runs all
+    the CPU where built). ``attention``: the C++ step's, ``own`` (``fused.attend``,
+    2x faster than SDPA on the embedded model's 9 heads, slower on 32) or
+    ``sdpa``; autotune times both. With the C++ ones a one-token decode step runs all
     layers in one C++ call (``decode_step``), else the loop in ``_layers``.
     Norms and the residual stream stay in fp32 (the model's dtype), and
     each projection's input is cast to what its kernel takes.
     """
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, kv_dtype: torch.dtype | None = None,
-                 prefill_dtype: torch.dtype | None = None, prefill_from: int = 1, ops: fused.Ops | None = None):
+                 prefill_dtype: torch.dtype | None = None, prefill_from: int = 1, ops: fused.Ops | None = None,
+                 attention: str = "sdpa"):
         self.config, self.weights = config, weights
         self.layers, self.head, self.final_norm = weights.layers, weights.head, weights.final_norm
         self.device, self.dtype = weights.final_norm.device, weights.final_norm.dtype
@@ -242,12 +245,15 @@ class LlamaRunner:
         self.kv_dtype = kv_dtype or self.dtype
         self.prefill_dtype, self.prefill_from = prefill_dtype, prefill_from
         self.decode_step = None  # the C++ step over the layers where the native ops run; None: the Python loop
+        self.attention = "sdpa"  # the decode step's: "own" (fused.attend) or PyTorch's SDPA
         if self.ops is fused.NATIVE:
-            self.decode_step = fused.native_decode_step(self.layers, self.heads, self.kv_heads, self.eps, self.scale)
+            self.attention = attention if attention == "sdpa" or fused.attends(self.head_dim) else "sdpa"
+            self.decode_step = fused.native_decode_step(self.layers, self.heads, self.kv_heads, self.eps, self.scale,
+                                                        self.attention == "own")
 
     def label(self) -> str:
         prefill = f"dequantized to {self.prefill_dtype} from {self.prefill_from} rows" if self.prefill_dtype else "kernels"
-        return f"{weights_label(self.weights)}; {self.kv_dtype} cache; prefill {prefill}"
+        return f"{weights_label(self.weights)}; {self.kv_dtype} cache, {self.attention} attention; prefill {prefill}"
 
     def new_cache(self) -> KVCache:
         shape = (len(self.layers), 2, 0, self.kv_heads, self.head_dim)

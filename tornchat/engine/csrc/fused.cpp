@@ -10,8 +10,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace {
 
@@ -131,6 +134,190 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// Attention of decode rows over the cache, computed so that row r of n gets the same bits whatever n is:
+// each row's scores, softmax and weighted sum depend only on its query and the positions 0 .. start + r it
+// sees, in a fixed order. A speculative verify's rows then equal one-token steps, and a step pays no
+// dispatch for a library kernel (PyTorch's SDPA took ~50 us a layer for one row on the embedded model).
+//
+// Built without -march (the wheel must run on any x86-64), the loops are cloned for AVX-512, AVX2 and
+// baseline (target_clones, chosen at load time); GCC's vector extensions spell out 16-lane vectors, so the
+// lanes and every reduction's order are the same in each clone.
+typedef float Vec __attribute__((vector_size(64)));  // 16 floats
+typedef int32_t IntVec __attribute__((vector_size(64)));
+typedef uint32_t UintVec __attribute__((vector_size(64)));
+typedef uint16_t HalfVec __attribute__((vector_size(32)));
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec4 __attribute__((vector_size(16)));
+constexpr int64_t LANES = 16;
+
+inline __attribute__((always_inline)) Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline __attribute__((always_inline)) Vec load(const BFloat16* p) {  // bf16 is the top half of an fp32
+  HalfVec halves;
+  std::memcpy(&halves, p, sizeof halves);
+  const UintVec bits = __builtin_convertvector(halves, UintVec) << 16;
+  Vec v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+inline __attribute__((always_inline)) float sum(Vec v) {  // a fixed tree
+  const Vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) as an integer power, set in the exponent
+// bits, times a degree-6 polynomial in the fraction (least-squares fit of 2^f on [0, 1], relative error
+// within fp32 rounding).
+inline __attribute__((always_inline)) Vec exp_nonpositive(Vec x) {
+  const Vec floor_x = x > -87.0f ? x : Vec{} - 87.0f;
+  const Vec t = floor_x * 1.44269504089f;
+  IntVec whole = __builtin_convertvector(t, IntVec);  // toward zero
+  whole += (__builtin_convertvector(whole, Vec) > t);  // -1 where that rounded up: floor
+  const Vec f = t - __builtin_convertvector(whole, Vec);
+  Vec p = Vec{} + 2.1683431e-4f;
+  p = p * f + 1.2437946e-3f;
+  p = p * f + 9.6799853e-3f;
+  p = p * f + 5.5482150e-2f;
+  p = p * f + 2.4023031e-1f;
+  p = p * f + 6.9314691e-1f;
+  p = p * f + 1.0f;
+  const IntVec bits = (whole + 127) << 23;
+  Vec power;
+  std::memcpy(&power, &bits, sizeof power);
+  return p * power;
+}
+
+// One query head's row r over positions 0 .. start + r, head_dim = CHUNKS * LANES (0: chunks at run time).
+// Compile-time chunks keep a row's output in registers.
+template <int64_t CHUNKS, typename Kv>
+inline __attribute__((always_inline)) void attend_row(const float* query, const Kv* keys, const Kv* values,
+                                                      float* out, float* scores, int64_t stride, int64_t runtime_chunks,
+                                                      int64_t seen, float scale) {
+  const int64_t chunks = CHUNKS ? CHUNKS : runtime_chunks;
+  const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  Vec q[16];
+  for (int64_t c = 0; c < chunks; ++c) q[c] = load(query + c * LANES);
+  int64_t j = 0;
+  for (; j + 4 <= seen; j += 4) {  // four keys at a time: independent chains for the out-of-order core
+    const Kv* k = keys + j * stride;
+    Vec acc0 = q[0] * load(k), acc1 = q[0] * load(k + stride), acc2 = q[0] * load(k + 2 * stride),
+        acc3 = q[0] * load(k + 3 * stride);
+    for (int64_t c = 1; c < chunks; ++c) {
+      acc0 += q[c] * load(k + c * LANES);
+      acc1 += q[c] * load(k + stride + c * LANES);
+      acc2 += q[c] * load(k + 2 * stride + c * LANES);
+      acc3 += q[c] * load(k + 3 * stride + c * LANES);
+    }
+    scores[j] = sum(acc0) * scale;
+    scores[j + 1] = sum(acc1) * scale;
+    scores[j + 2] = sum(acc2) * scale;
+    scores[j + 3] = sum(acc3) * scale;
+  }
+  for (; j < seen; ++j) {  // the same arithmetic as each chain above
+    const Kv* k = keys + j * stride;
+    Vec acc = q[0] * load(k);
+    for (int64_t c = 1; c < chunks; ++c) acc += q[c] * load(k + c * LANES);
+    scores[j] = sum(acc) * scale;
+  }
+  float top = scores[0];
+  for (int64_t j = 1; j < seen; ++j) top = std::max(top, scores[j]);
+  Vec totals = Vec{};
+  for (int64_t j = 0; j < seen; j += LANES) {  // scores has room past seen: the tail lanes are zeroed
+    const Vec e = exp_nonpositive(load(scores + j) - top);
+    const Vec kept = (lane + static_cast<int32_t>(j)) < static_cast<int32_t>(seen) ? e : Vec{};
+    std::memcpy(scores + j, &kept, sizeof kept);
+    totals += kept;
+  }
+  const float inverse = 1.0f / sum(totals);
+  Vec even[16], odd[16];  // sums over even and odd positions: two chains
+  for (int64_t c = 0; c < chunks; ++c) even[c] = odd[c] = Vec{};
+  for (j = 0; j + 2 <= seen; j += 2) {
+    const Kv* v = values + j * stride;
+    const float w0 = scores[j], w1 = scores[j + 1];
+    for (int64_t c = 0; c < chunks; ++c) {
+      even[c] += w0 * load(v + c * LANES);
+      odd[c] += w1 * load(v + stride + c * LANES);
+    }
+  }
+  if (j < seen) {
+    const Kv* v = values + j * stride;
+    for (int64_t c = 0; c < chunks; ++c) even[c] += scores[j] * load(v + c * LANES);
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    const Vec scaled = (even[c] + odd[c]) * inverse;
+    std::memcpy(out + c * LANES, &scaled, sizeof scaled);
+  }
+}
+
+// Query head `head`'s rows r = 0 .. n - 1, row r over positions 0 .. start + r.
+template <typename Kv>
+inline __attribute__((always_inline)) void attend_head(const float* q, const Kv* keys, const Kv* values, float* out,
+                                                       float* scores, int64_t n, int64_t heads, int64_t kv_heads,
+                                                       int64_t d, int64_t head, int64_t start, float scale) {
+  const int64_t stride = kv_heads * d, offset = head / (heads / kv_heads) * d, chunks = d / LANES;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* query = q + (r * heads + head) * d;
+    float* dst = out + (r * heads + head) * d;
+    const int64_t seen = start + r + 1;
+    switch (chunks) {  // the common head_dims: 32, 64, 128
+      case 2: attend_row<2>(query, keys + offset, values + offset, dst, scores, stride, chunks, seen, scale); break;
+      case 4: attend_row<4>(query, keys + offset, values + offset, dst, scores, stride, chunks, seen, scale); break;
+      case 8: attend_row<8>(query, keys + offset, values + offset, dst, scores, stride, chunks, seen, scale); break;
+      default: attend_row<0>(query, keys + offset, values + offset, dst, scores, stride, chunks, seen, scale);
+    }
+  }
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend_head_fp32(const float* q, const float* keys, const float* values, float* out, float* scores, int64_t n,
+                      int64_t heads, int64_t kv_heads, int64_t d, int64_t head, int64_t start, float scale) {
+  attend_head(q, keys, values, out, scores, n, heads, kv_heads, d, head, start, scale);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend_head_bf16(const float* q, const BFloat16* keys, const BFloat16* values, float* out, float* scores, int64_t n,
+                      int64_t heads, int64_t kv_heads, int64_t d, int64_t head, int64_t start, float scale) {
+  attend_head(q, keys, values, out, scores, n, heads, kv_heads, d, head, start, scale);
+}
+
+// q [n, heads, head_dim] (fp32 or bf16), keys and values one layer's cache [capacity, kv_heads, head_dim]
+// (fp32 or bf16) holding positions 0 .. start + n - 1. Returns fp32 [n, heads * head_dim]: row r attended over
+// positions 0 .. start + r, softmax(scale * q . k) v, as fused.attend_ref computes it.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale) {
+  check_cpu_contiguous(keys, "keys");
+  check_cpu_contiguous(values, "values");
+  TORCH_CHECK(keys.scalar_type() == values.scalar_type() && keys.sizes() == values.sizes(), "keys and values must match");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16, "the cache must be fp32 or bf16");
+  const auto queries = q.to(at::kFloat).contiguous();
+  const int64_t n = queries.size(0), heads = queries.size(1), d = queries.size(2), kv_heads = keys.size(1);
+  TORCH_CHECK(keys.size(2) == d && heads % kv_heads == 0 && start + n <= keys.size(0), "q does not fit the cache");
+  TORCH_CHECK(d % LANES == 0 && d <= 16 * LANES, "head_dim must be a multiple of 16, at most 256");
+  auto out = at::empty({n, heads * d}, queries.options());
+  const float* qp = queries.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const bool bf16 = keys.scalar_type() == at::kBFloat16;
+  // Contiguous heads per thread: heads sharing a KV head follow one another, which finds its keys in cache.
+  at::parallel_for(0, heads, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(start + n + LANES);
+    for (int64_t head = first; head < last; ++head) {
+      if (bf16)
+        attend_head_bf16(qp, keys.data_ptr<BFloat16>(), values.data_ptr<BFloat16>(), op, scores.data(), n, heads,
+                         kv_heads, d, head, start, float(scale));
+      else
+        attend_head_fp32(qp, keys.data_ptr<float>(), values.data_ptr<float>(), op, scores.data(), n, heads, kv_heads,
+                         d, head, start, float(scale));
+    }
+  });
+  return out;
+}
+
 // A projection as the decode step reads it: plain weights (F.linear), packed int4 or per-row int8.
 struct Linear {
   enum Kind : int64_t { PLAIN = 0, INT4 = 1, INT8 = 2 };
@@ -162,14 +349,15 @@ struct Layer {
 // Decode steps through every layer, the Python loop of llama.LlamaRunner._layers in one call: that loop's
 // ~25 Python-level operations per layer cost more than the layer's small kernels. n rows at once (a
 // speculative verify) give each row exactly what a one-row step at its position gives: rows meet only
-// in attention, where each row attends to the positions up to its own, in the call a one-row step makes.
+// in attention, whose every row is computed as if alone (attend).
 class DecodeStep {
  public:
   // Per layer, tensors: attn_norm, ffn_norm, bqkv (or empty), then a and b of wqkv, wo, w13, w2 (b empty for
   // plain weights); ints: the kind and the group size of wqkv, wo, w13, w2.
+  // own_attention: attend, else PyTorch's SDPA row by row (whichever autotune timed faster for the model).
   DecodeStep(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& ints, int64_t heads, int64_t kv_heads,
-             double eps, double scale)
-      : heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale) {
+             double eps, double scale, bool own_attention)
+      : heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale), own_attention_(own_attention) {
     TORCH_CHECK(tensors.size() % 11 == 0 && ints.size() * 11 == tensors.size() * 8, "11 tensors and 8 ints per layer");
     for (size_t i = 0; i < tensors.size() / 11; ++i) {
       const at::Tensor* t = &tensors[11 * i];
@@ -192,14 +380,7 @@ class DecodeStep {
       if (layer.bqkv.numel()) qkv = qkv + layer.bqkv;
       const auto keys = kv.select(0, i).select(0, 0), values = kv.select(0, i).select(0, 1);
       auto q = rope_store(qkv.contiguous(), freqs, keys.narrow(0, start, n), values.narrow(0, start, n), heads_, kv_heads_);
-      std::vector<at::Tensor> attended;
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t seen = start + r + 1;
-        attended.push_back(at::scaled_dot_product_attention(
-            q.narrow(0, r, 1).view({1, kv_heads_, groups, head_dim}), keys.narrow(0, 0, seen).unsqueeze(0).transpose(1, 2),
-            values.narrow(0, 0, seen).unsqueeze(0).transpose(1, 2), {}, 0.0, false, scale_).reshape({1, heads_ * head_dim}));
-      }
-      x = x + layer.wo(n == 1 ? attended[0] : at::cat(attended));
+      x = x + layer.wo(own_attention_ ? attend(q, keys, values, start, scale_) : sdpa_rows(q, keys, values, start));
       x = x + layer.w2(silu_mul(layer.w13(rms_norm(x, layer.ffn_norm, eps_, layer.w13.input() == at::kBFloat16))));
     }
     return x;
@@ -207,8 +388,22 @@ class DecodeStep {
 
  private:
   std::vector<Layer> layers_;
+  // Each row alone, in the call a one-row step makes.
+  at::Tensor sdpa_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start) const {
+    const int64_t n = q.size(0), head_dim = q.size(2), groups = heads_ / kv_heads_;
+    std::vector<at::Tensor> rows;
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t seen = start + r + 1;
+      rows.push_back(at::scaled_dot_product_attention(
+          q.narrow(0, r, 1).view({1, kv_heads_, groups, head_dim}), keys.narrow(0, 0, seen).unsqueeze(0).transpose(1, 2),
+          values.narrow(0, 0, seen).unsqueeze(0).transpose(1, 2), {}, 0.0, false, scale_).reshape({1, heads_ * head_dim}));
+    }
+    return n == 1 ? rows[0] : at::cat(rows);
+  }
+
   int64_t heads_, kv_heads_;
   double eps_, scale_;
+  bool own_attention_;
 };
 
 // Packed int4 weights -> [N, K] values (level - 8) * scale + zero, as quant.Int4Weight.dequantize computes
@@ -261,10 +456,12 @@ PYBIND11_MODULE(_fused, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of fp32 rows, out in fp32 or bf16");
   m.def("rope_store", &rope_store, "RoPE on queries and keys; keys and values written into the cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("attend", &attend, "causal attention of n decode rows over the cache, each row as if alone");
   m.def("dequantize_int4", &dequantize_int4, "packed int4 weights to fp32 or bf16 values",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<DecodeStep>(m, "DecodeStep")
-      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t, double, double>())
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t, double, double,
+                          bool>())
       // Without the GIL: the server's IOLoop thread keeps answering and streaming during a step.
       .def("forward", &DecodeStep::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
