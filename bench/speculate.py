@@ -228,21 +228,29 @@ def base_case(case: workloads.SpeculationWorkload, cases: list[workloads.Specula
 
 
 def exactness(report: dict, cases: list[workloads.SpeculationWorkload]) -> list[dict]:
-    """Every tornchat reply against tornchat --speculate none's reply to the same messages without a
-    prediction, same mode, send by send: the first send of a request prefills the whole prompt, the later
-    ones take it from a KV slot and re-run only its last token, which can flip a near-tie in greedy
-    decoding with speculation on or off alike (README, "Latency behaviour"), so send i meets send i."""
+    """Every tornchat reply against tornchat --speculate none's reply to the same messages, same mode, send by
+    send: the first send of a request prefills the whole prompt, the later ones take it from a KV slot and
+    re-run only its last token, which can flip a near-tie in greedy decoding with speculation on or off alike
+    (README, "Latency behaviour"), so send i meets the send that found the cache in the same state."""
     reference = report["systems"].get("tornchat-none", {}).get("result")
     if reference is None:
         return []
-    base = {case.name: base_case(case, cases).name for case in cases}
+    def expected_for(case_name: str, mode: str) -> dict | None:
+        """tornchat-none's cell of this case (it ignores a prediction), else of the latest earlier case with the
+        same messages: sent in the same order, their sends find the prompt equally warm in the KV slots."""
+        position = [case.name for case in cases].index(case_name)
+        for earlier in reversed(cases[: position + 1]):
+            if earlier.messages == cases[position].messages and f"{earlier.name} / {mode}" in reference["cells"]:
+                return reference["cells"][f"{earlier.name} / {mode}"]
+        return None
+
     checks = []
     for name, entry in report["systems"].items():
         if not name.startswith("tornchat") or "result" not in entry:
             continue
         for key, cell in entry["result"]["cells"].items():
-            expected = reference["cells"].get(f"{base[cell['workload']]} / {cell['mode']}")
-            if expected is None or (name == "tornchat-none" and base[cell["workload"]] == cell["workload"]):
+            expected = expected_for(cell["workload"], cell["mode"])
+            if expected is None or name == "tornchat-none":
                 continue
             identical = [run["text"] for run in cell["runs"]] == [run["text"] for run in expected["runs"]]
             checks.append({"system": name, "workload": cell["workload"], "mode": cell["mode"], "identical": identical})

@@ -27,7 +27,10 @@ NGRAMS = (3, 2, 1)
 # starting from PRIOR_ACCEPTANCE as if PRIOR_WEIGHT drafts had been seen.
 PRIOR_ACCEPTANCE = (0.7, 0.6, 0.4, 0.25)
 PRIOR_WEIGHT = 2.0
-DECAY = 0.97  # per token: evidence fades back to the prior, so after a run of misses a kind is tried again
+DECAY = 0.98  # per token: evidence fades back to the prior, so after a run of misses a kind is tried again
+# A draft must promise this many times a plain step's tokens per unit of cost: the costs are measured at a
+# short context (attention, which rows pay one by one, grows with it) and a verify has overheads of its own.
+MIN_GAIN = 1.1
 AUTO_ACCEPTANCE = 0.5  # --speculate auto turns speculation on where a draft pays at this acceptance
 
 
@@ -38,9 +41,9 @@ class Costs:
     relative: tuple[float, ...]
 
     def best_draft(self, acceptance: float, available: int) -> int:
-        """The draft length with the most tokens per unit of cost: a verify of k drafts yields
-        1 + a + ... + a^k tokens on average when each is accepted with probability a."""
-        best, best_rate = 0, 1.0
+        """The draft length with the most tokens per unit of cost, if that beats a plain step by MIN_GAIN: a
+        verify of k drafts yields 1 + a + ... + a^k tokens on average when each is accepted with probability a."""
+        best, best_rate = 0, MIN_GAIN
         for k in range(1, min(available, len(self.relative) - 1) + 1):
             rate = sum(acceptance**i for i in range(k + 1)) / self.relative[k]
             if rate > best_rate:
