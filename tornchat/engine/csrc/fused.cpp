@@ -142,6 +142,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // Built without -march (the wheel must run on any x86-64), the loops are cloned for AVX-512, AVX2 and
 // baseline (target_clones, chosen at load time); GCC's vector extensions spell out 16-lane vectors, so the
 // lanes and every reduction's order are the same in each clone.
+#if defined(__x86_64__) && defined(__linux__)
+#define CLONED __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define CLONED  // elsewhere (ARM, macOS) the compiler's default target
+#endif
 typedef float Vec __attribute__((vector_size(64)));  // 16 floats
 typedef int32_t IntVec __attribute__((vector_size(64)));
 typedef uint32_t UintVec __attribute__((vector_size(64)));
@@ -275,13 +280,13 @@ inline __attribute__((always_inline)) void attend_head(const float* q, const Kv*
   }
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
+CLONED
 void attend_head_fp32(const float* q, const float* keys, const float* values, float* out, float* scores, int64_t n,
                       int64_t heads, int64_t kv_heads, int64_t d, int64_t head, int64_t start, float scale) {
   attend_head(q, keys, values, out, scores, n, heads, kv_heads, d, head, start, scale);
 }
 
-__attribute__((target_clones("avx512f", "avx2", "default")))
+CLONED
 void attend_head_bf16(const float* q, const BFloat16* keys, const BFloat16* values, float* out, float* scores, int64_t n,
                       int64_t heads, int64_t kv_heads, int64_t d, int64_t head, int64_t start, float scale) {
   attend_head(q, keys, values, out, scores, n, heads, kv_heads, d, head, start, scale);
