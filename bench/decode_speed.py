@@ -35,7 +35,7 @@ from tornchat.engine.model import PREFILL_CHUNK
 from tornchat.weights import gguf_file
 
 MATMULS = ("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
-ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math")
+ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math", "tornchat::attend")
 
 PROMPTS = [
     "What is the capital of France?",

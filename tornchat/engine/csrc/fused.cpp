@@ -7,6 +7,7 @@
 // is fp32; bf16 outputs are rounded once, to nearest even.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -296,6 +297,7 @@ void attend_head_bf16(const float* q, const BFloat16* keys, const BFloat16* valu
 // (fp32 or bf16) holding positions 0 .. start + n - 1. Returns fp32 [n, heads * head_dim]: row r attended over
 // positions 0 .. start + r, softmax(scale * q . k) v, as fused.attend_ref computes it.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale) {
+  RECORD_FUNCTION("tornchat::attend", std::vector<c10::IValue>());  // for torch.profiler (bench/decode_speed.py)
   check_cpu_contiguous(keys, "keys");
   check_cpu_contiguous(values, "values");
   TORCH_CHECK(keys.scalar_type() == values.scalar_type() && keys.sizes() == values.sizes(), "keys and values must match");
