@@ -143,10 +143,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // Built without -march (the wheel must run on any x86-64), the loops are cloned for AVX-512, AVX2 and
 // baseline (target_clones, chosen at load time); GCC's vector extensions spell out 16-lane vectors, so the
 // lanes and every reduction's order are the same in each clone.
+#ifndef CLONED  // a build may set it (-DCLONED=) to compile the loops for its own -march only
 #if defined(__x86_64__) && defined(__linux__)
 #define CLONED __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define CLONED  // elsewhere (ARM, macOS) the compiler's default target
+#endif
 #endif
 typedef float Vec __attribute__((vector_size(64)));  // 16 floats
 typedef int32_t IntVec __attribute__((vector_size(64)));
