@@ -329,3 +329,24 @@ def test_the_decode_steps_attention_is_the_faster_one(tiny_model, tmp_path, monk
 def test_own_attention_is_timed_against_sdpa(tiny_model):
     pays, ms = autotune.own_attention_pays(llama.LlamaRunner(*plain(tiny_model)), torch.float32)
     assert set(ms) == {"own", "sdpa"} and pays == (ms["own"] < ms["sdpa"])
+
+
+def test_a_quantized_files_candidates_are_checked_against_its_own_blocks():
+    """What auto changes beyond the file (int8 blocks rounded onto int4) is what it checks: the reference is
+    the file's blocks through the fastest of their timed kernels, not an fp32 forward of the whole file."""
+    from tornchat import checkpoint
+    from tornchat.weights import gguf_file
+
+    config, weights = gguf_file.load(checkpoint.default_gguf_path())
+    base = llama.LlamaRunner(config, weights)
+    formats = [Format("packed", "bf16"), Format("packed", "fp32"), Format("packed-int4-head", "bf16")]
+    runners = {fmt: fmt.runner(config, weights) for fmt in formats}
+    steps = dict(zip(formats, (0.005, 0.04, 0.004)))
+    ids = IDS[:12]
+    reference = autotune.quality_reference(base, runners, steps, ids)
+    assert torch.equal(reference, runners[formats[0]].score(ids, "decode"))  # as loaded, the faster inputs
+    del steps[formats[0]], steps[formats[1]]  # no as-loaded format timed: the fp32 forward
+    assert torch.equal(autotune.quality_reference(base, runners, steps, ids), base.score(ids, "exact"))
+    narrowed = autotune.check_quality(runners[formats[2]], ids, reference)
+    assert narrowed["perplexity_rise"] != 0 and autotune.check_quality(runners[formats[0]], ids, reference)[
+        "perplexity_rise"] == 0

@@ -274,6 +274,18 @@ def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
     return best, start, ms
 
 
+def quality_reference(base: LlamaRunner, runners: dict, steps: dict, ids: list[int]) -> torch.Tensor:
+    """What candidates are checked against: the model's own weights (plain ones, ``base``); for weights packed
+    while loading (a quantized GGUF's blocks), those blocks as they are, through the fastest of their timed
+    kernels: what auto checks is what it would change beyond the file (int8 blocks rounded onto int4), and
+    an fp32 forward of a 1B file took 3.9 s of a first start (the packed path against that fp32 reference is
+    bench/decode_speed.py's quality figure)."""
+    as_loaded = [fmt for fmt in steps if fmt.quantize == "packed"]
+    if not as_loaded:
+        return base.score(ids, "exact")
+    return runners[min(as_loaded, key=steps.get)].score(ids, "decode")
+
+
 def check_quality(runner: LlamaRunner, ids: list[int], own: torch.Tensor) -> dict[str, float]:
     """runner's prefill and decode paths against the model's own logits on ids (``reference``): the worse
     perplexity rise of the two, and the worse agreement of greedy choices at the positions where the model's
@@ -338,7 +350,7 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
     prefill policy is timed for the format kept. An explicit mode still has
     its kernels' input dtype, the cache's dtype and the prefill timed, and
     no quality check (the user asked for it). The quality reference is the
-    model's own weights, or packed ones dequantized to fp32 (``score(..., "exact")``).
+    model's own weights, or the packed ones as loaded (``quality_reference``).
     """
     key = cache_key(requested, checkpoint)
     known = recall(cache_file, key)
@@ -391,8 +403,8 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
         runner.prefill_from, runner.format = prefill_from, fmt
         quality = {}
         if (requested == "auto" if gate is None else gate) and fmt != Format("none"):
-            if reference is None:  # the model's own weights, or the file's blocks dequantized to fp32
-                reference = base.score(quality_ids, "exact")
+            if reference is None:
+                reference = quality_reference(base, runners, steps, quality_ids)
             quality = check_quality(runner, quality_ids, reference)
         if quality and not passes(quality):
             log.info("decode weights %s rejected: %s", fmt.label(), quality)
