@@ -291,7 +291,7 @@ def check_quality(runner: LlamaRunner, ids: list[int], own: torch.Tensor) -> dic
     perplexity rise of the two, and the worse agreement of greedy choices at the positions where the model's
     own logits are not near a tie (random-weight models have few). Where a chunk of ids runs the decode
     kernels (no dequantized prefill at that length), both paths are one computation, scored once."""
-    targets = torch.tensor(ids[1:])
+    targets = torch.tensor(ids[1:], device=own.device)
     top2 = own.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) >= NEAR_TIE
     rises, agreements = [], []
@@ -332,7 +332,7 @@ def time_steps(runner: LlamaRunner, ids: list[int], steps: int = 24) -> float:
     times = []
     for token in ids[8 : 8 + steps]:
         started = time.perf_counter()
-        runner.forward([token], cache, decode=True)
+        float(runner.forward([token], cache, decode=True)[0])  # read on the host, as the sampled id is
         times.append(time.perf_counter() - started)
     return statistics.median(times[2:])
 
@@ -415,6 +415,26 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
                                    "quality": quality, "for": depends_on(requested, checkpoint)})
         return runner, choice
     raise NoFormat(f"--quantize {requested}: no format keeps the model's quality on this CPU ({cpu.model_name()})")
+
+
+def choose_on_gpu(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_ids: list[int]) -> LlamaRunner:
+    """The runner for --quantize on CUDA: the weights as loaded (``none``), tinygemm int4 (``int4``), or for
+    ``auto`` whichever of the two decodes faster here, int4 only where its quality holds against the loaded
+    weights (the same gate as on a CPU). A GPU times a step in milliseconds, so nothing is cached."""
+    if requested == "none":
+        return LlamaRunner(config, weights)
+    if requested not in ("int4", "auto"):
+        raise NoFormat(f"--quantize {requested}: on a GPU the formats are none, int4 and auto")
+    int4 = pack(weights, "int4", group_size=quant.CUDA_GROUP, keep=requested == "auto")
+    if requested == "int4":
+        return LlamaRunner(config, int4)
+    plain, packed = LlamaRunner(config, weights), LlamaRunner(config, int4)
+    step_ms = {"none": 1000 * time_steps(plain, quality_ids), "int4": 1000 * time_steps(packed, quality_ids)}
+    quality = check_quality(packed, quality_ids, plain.score(quality_ids, "exact"))
+    keep = packed if step_ms["int4"] < step_ms["none"] and passes(quality) else plain
+    log.info("GPU decode step: %s; int4 quality %s; kept %s", {k: round(v, 3) for k, v in step_ms.items()},
+             {k: round(v, 4) for k, v in quality.items()}, keep.label())
+    return keep
 
 
 def recall(cache_file, key: str) -> dict | None:

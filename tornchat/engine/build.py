@@ -43,8 +43,13 @@ def make_runner(loaded: checkpoint.Loaded, config: Config, quality_ids: list[int
     else:
         spec, weights = loaded.lean
     loaded.model = loaded.lean = None
-    if weights.final_norm.device.type != "cpu" or config.quantize == "none" and not loaded.quantized:
-        return llama.LlamaRunner(spec, weights)  # the packed decode kernels are CPU ones
+    if weights.final_norm.device.type == "cuda":
+        try:
+            return autotune.choose_on_gpu(spec, weights, config.quantize, quality_ids)
+        except autotune.NoFormat as exc:
+            raise checkpoint.CheckpointError(str(exc)) from None
+    if config.quantize == "none" and not loaded.quantized:
+        return llama.LlamaRunner(spec, weights)
     cache_file = checkpoint.cache_root() / "decode-formats.json"
     try:
         # Weights packed while loading (a GGUF's blocks, a checkpoint packed layer by layer) are a format of

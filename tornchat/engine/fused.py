@@ -43,12 +43,17 @@ def rope_store_ref(qkv, freqs, keys, values, heads: int, kv_heads: int) -> torch
     rows to fill. Rotation is in fp32; queries come back [n, heads, head_dim]
     in the cache's dtype.
     """
-    n, head_dim = qkv.shape[0], keys.shape[-1]
-    rotated = torch.view_as_complex(qkv[:, : (heads + kv_heads) * head_dim].float().reshape(n, heads + kv_heads, -1, 2))
-    rotated = torch.view_as_real(rotated * torch.view_as_complex(freqs)[:, None]).reshape(n, heads + kv_heads, head_dim)
+    rotated = rope_ref(qkv, freqs, heads, kv_heads, keys.shape[-1])
     keys.copy_(rotated[:, heads:])
-    values.copy_(qkv[:, (heads + kv_heads) * head_dim :].reshape(values.shape))
+    values.copy_(qkv[:, (heads + kv_heads) * keys.shape[-1] :].reshape(values.shape))
     return rotated[:, :heads].to(keys.dtype)
+
+
+def rope_ref(qkv: torch.Tensor, freqs: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """``rope_store_ref``'s rotation alone: queries then keys [n, heads + kv_heads, head_dim] in fp32."""
+    n = qkv.shape[0]
+    rotated = torch.view_as_complex(qkv[:, : (heads + kv_heads) * head_dim].float().reshape(n, heads + kv_heads, -1, 2))
+    return torch.view_as_real(rotated * torch.view_as_complex(freqs)[:, None]).reshape(n, heads + kv_heads, head_dim)
 
 
 def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from tornchat.engine import fused, quant
+from tornchat.engine import cuda_graph, fused, quant
 
 FAMILIES = ("llama", "qwen2", "mistral")
 QUANTIZE = ("none", "bf16", "int8", "int4")
@@ -146,8 +146,9 @@ def from_transformers(model: torch.nn.Module) -> tuple[LlamaConfig, LlamaWeights
     return spec, weights
 
 
-def packers(quantize: str, inputs: torch.dtype, group_size: int = 32):
-    """(pack a layer matrix, pack the output projection) for a decode format, or (None, None) for none."""
+def packers(quantize: str, inputs: torch.dtype, group_size: int = 32, weights_on_cuda: bool = False):
+    """(pack a layer matrix, pack the output projection) for a decode format, or (None, None) for none.
+    On CUDA only int4 packs (tinygemm)."""
     if quantize == "none":
         return None, None
     if quantize == "bf16":
@@ -157,7 +158,12 @@ def packers(quantize: str, inputs: torch.dtype, group_size: int = 32):
         return quant.quantize_int8(weight, inputs)
 
     def int4(weight):  # odd shapes stay as they are
+        if weight.is_cuda:  # tinygemm; its head is int4 too (no int8 kernel there)
+            return quant.quantize_int4_cuda(weight, group_size) if quant.cuda_supports(weight, group_size) else weight
         return quant.quantize_int4(weight, group_size, inputs) if quant.supports(weight, group_size) else weight
+
+    if quantize == "int4" and weights_on_cuda:
+        return int4, int4
 
     return (int4 if quantize == "int4" else int8), int8
 
@@ -169,7 +175,10 @@ def pack(weights: LlamaWeights, quantize: str, inputs: torch.dtype = torch.bfloa
     the packed head where the two were the same tensor and the head's format can give rows back."""
     if quantize not in QUANTIZE:
         raise ValueError(f"unknown quantize mode {quantize!r} ({' | '.join(QUANTIZE)})")
-    pack_layer, pack_head = packers(quantize, inputs, group_size)
+    on_cuda = weights.final_norm.is_cuda
+    if on_cuda and quantize not in ("none", "int4"):
+        raise ValueError(f"quantize {quantize!r} has no CUDA kernels here (none | int4)")
+    pack_layer, pack_head = packers(quantize, inputs, group_size, on_cuda)
     if pack_layer is None:
         return weights
     packed = []
@@ -193,6 +202,8 @@ def weights_label(weights: LlamaWeights) -> str:
     def name(w) -> str:
         if isinstance(w, torch.Tensor):
             return str(w.dtype).removeprefix("torch.")
+        if isinstance(w, quant.CudaInt4Weight):
+            return f"int4 (tinygemm, group {w.group_size})"
         return {quant.Int4Weight: "int4", quant.Int8Weight: "int8", quant.Bf16Weight: "bf16 (oneDNN)"}[type(w)]
     counts = Counter(name(m) for layer in weights.layers for m in layer.matrices())
     return ", ".join(f"{k} x {v}" for k, v in counts.most_common()) + f"; head {name(weights.head)}"
@@ -228,7 +239,7 @@ class LlamaRunner:
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, kv_dtype: torch.dtype | None = None,
                  prefill_dtype: torch.dtype | None = None, prefill_from: int = 1, ops: fused.Ops | None = None,
-                 attention: str = "sdpa"):
+                 attention: str = "sdpa", graphs: bool = True):
         self.config, self.weights = config, weights
         self.layers, self.head, self.final_norm = weights.layers, weights.head, weights.final_norm
         self.device, self.dtype = weights.final_norm.device, weights.final_norm.dtype
@@ -244,6 +255,8 @@ class LlamaRunner:
         self.ops = ops or fused.ops_for(self.device, self.dtype)
         self.kv_dtype = kv_dtype or self.dtype
         self.prefill_dtype, self.prefill_from = prefill_dtype, prefill_from
+        # On CUDA, one-token steps replay a captured graph (cuda_graph.py) unless ``graphs`` is off.
+        self.graphs = cuda_graph.GraphedSteps(self) if graphs and self.device.type == "cuda" else None
         self.decode_step = None  # the C++ step over the layers where the native ops run; None: the Python loop
         self.attention = "sdpa"  # the decode step's: "own" (fused.attend) or PyTorch's SDPA
         if self.ops is fused.NATIVE:
@@ -279,13 +292,22 @@ class LlamaRunner:
             return
         if length > self.context_length:
             raise ValueError(f"{length} positions exceed the context of {self.context_length}")
-        grown = min(-(-length // CACHE_CHUNK) * CACHE_CHUNK, self.context_length)
+        grown = -(-length // CACHE_CHUNK) * CACHE_CHUNK
+        if self.graphs is not None:  # each new cache tensor is a new graph capture: few of them
+            grown = max(grown, 2 * capacity)
+        grown = min(grown, self.context_length)
         kv = cache.kv.new_empty((*cache.kv.shape[:2], grown, *cache.kv.shape[3:]))
         kv[:, :, : cache.length] = cache.kv[:, :, : cache.length]
         cache.kv = kv
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], cache: KVCache, decode: bool = False) -> torch.Tensor:
+        if decode and self.graphs is not None and len(token_ids) == 1:
+            start = cache.length
+            self._reserve(cache, start + 1)
+            logits = self.graphs(token_ids[0], cache.kv, start)
+            cache.length = start + 1
+            return logits
         x = self._hidden(token_ids, cache, self._weights_as(len(token_ids), decode))
         return self._logits(x[-1:], None)[0]
 

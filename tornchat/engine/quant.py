@@ -14,6 +14,9 @@ bf16 inputs than fp32 ones (their fp32 path is a scalar loop), while on one
 AVX-512 machine without bf16 the fp32 int4 path was the fast one
 (PERF-NOTES.md). So the input dtype is a parameter, and packed weights
 store their scales in it; ``engine/autotune.py`` picks it by timing.
+
+On CUDA, ``CudaInt4Weight`` holds the same group-wise asymmetric int4 for
+``_weight_int4pack_mm`` (tinygemm, as gpt-fast uses), fed bf16 inputs.
 """
 import functools
 import importlib
@@ -228,13 +231,60 @@ def to_bf16(weight: torch.Tensor) -> torch.Tensor | Bf16Weight:
     return Bf16Weight(packed=torch.ops.mkldnn._reorder_linear_weight(weight, 1), shape=tuple(weight.shape))
 
 
-Weight = torch.Tensor | Int4Weight | Int8Weight | Bf16Weight
+@dataclass
+class CudaInt4Weight:
+    packed: torch.Tensor  # int32, tinygemm's tiled layout of [N, K] levels
+    scales_and_zeros: torch.Tensor  # bf16 [K / group_size, N, 2]: value = (level - 8) * scale + zero
+    group_size: int
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm(x.to(torch.bfloat16), self.packed, self.group_size,
+                                                  self.scales_and_zeros)
+
+
+CUDA_GROUPS = (32, 64, 128, 256)  # the group sizes tinygemm takes
+# What --quantize int4 packs plain weights into on CUDA: an 8B step was 1.11x faster than with group 32
+# (bench/gpu.py, H100); the quality gate of auto still applies.
+CUDA_GROUP = 128
+
+
+def cuda_k_tiles(k: int) -> int | None:
+    """tinygemm's inner K tiles for K input features (the widest of 8, 4, 2 that divides), None if none does."""
+    return next((tiles for tiles in (8, 4, 2) if k % (16 * tiles) == 0), None)
+
+
+def cuda_int4_weight(levels: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor) -> CudaInt4Weight:
+    """Levels [N, K] in 0..15 on a CUDA device, with per group value = level * scale + low (scales, lows
+    [N, K / group]), packed for tinygemm."""
+    n, k = levels.shape
+    pairs = levels.to(torch.uint8).reshape(n, k // 2, 2)
+    packed = torch.ops.aten._convert_weight_to_int4pack((pairs[..., 0] << 4) | pairs[..., 1], cuda_k_tiles(k))
+    zeros = lows + 8 * scales  # the kernel computes (level - 8) * scale + zero, as the CPU one does
+    scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return CudaInt4Weight(packed, scales_and_zeros, k // scales.shape[1])
+
+
+def cuda_supports(weight: torch.Tensor, group_size: int) -> bool:
+    n, k = weight.shape
+    return group_size in CUDA_GROUPS and k % group_size == 0 and cuda_k_tiles(k) is not None and n % 8 == 0
+
+
+def quantize_int4_cuda(weight: torch.Tensor, group_size: int = 32) -> CudaInt4Weight:
+    """[N, K] weights on a CUDA device as tinygemm int4, levels spread over each group's range as on the CPU."""
+    n, k = weight.shape
+    q, scales, low = group_levels(weight, group_size)
+    return cuda_int4_weight(q.reshape(n, k), scales.reshape(n, -1), low.reshape(n, -1))
+
+
+Weight = torch.Tensor | Int4Weight | Int8Weight | Bf16Weight | CudaInt4Weight
 
 
 def shape(w: Weight) -> tuple[int, int]:
     """[N, K]: output and input features."""
     if isinstance(w, Int4Weight):
         return w.packed.shape[0], w.packed.shape[1] * 2
+    if isinstance(w, CudaInt4Weight):
+        return w.scales_and_zeros.shape[1], w.scales_and_zeros.shape[0] * w.group_size
     if isinstance(w, Int8Weight):
         return tuple(w.values.shape)
     return tuple(w.shape)
@@ -244,17 +294,17 @@ def input_dtype(w: Weight) -> torch.dtype:
     """The dtype ``linear`` casts its input to for this weight."""
     if isinstance(w, torch.Tensor):
         return w.dtype
-    if isinstance(w, Bf16Weight):
+    if isinstance(w, Bf16Weight | CudaInt4Weight):
         return torch.bfloat16
     return w.scales_and_zeros.dtype if isinstance(w, Int4Weight) else w.scales.dtype
 
 
 def dequantize(w: Weight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor | None:
     """The plain weights [N, K] (or only ``rows``) in ``dtype`` that w computes with; None for layouts that
-    cannot be read back here (oneDNN's packed bf16, an int4 layout this CPU does not have)."""
+    cannot be read back here (oneDNN's packed bf16, tinygemm's int4, an int4 layout this CPU does not have)."""
     if isinstance(w, torch.Tensor):
         return (w if rows is None else w[rows]).to(dtype)
-    if isinstance(w, Bf16Weight):
+    if isinstance(w, Bf16Weight | CudaInt4Weight):
         return None
     return w.dequantize(dtype, rows)
 
