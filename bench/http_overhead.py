@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import servers  # noqa: E402  (the test helper that starts the real server)
 
@@ -86,12 +88,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--checkpoint-path", help="default: the embedded model")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--quantize", default="auto")
     args = parser.parse_args()
-    print(f"CPU: {describe()}", flush=True)
+    print(f"CPU: {describe()}; GPU: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'none'}", flush=True)
 
-    engine = build_engine(Config())
+    engine = build_engine(Config(checkpoint_path=args.checkpoint_path, device=args.device, quantize=args.quantize))
+    flags = ["--device", args.device, "--quantize", args.quantize]
+    if args.checkpoint_path:
+        flags += ["--checkpoint-path", args.checkpoint_path]
     results = {"engine": [], "server": []}
-    with servers.running() as server:
+    with servers.running(*flags) as server:
         run_engine(engine, 4), run_server(server, 4)  # fill each side's KV slot with the prompt
         for _ in range(args.rounds):
             results["engine"].append(run_engine(engine, args.tokens))

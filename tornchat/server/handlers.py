@@ -234,19 +234,22 @@ class GenerationHandler(BaseHandler):
         if not await self._send(b"".join(sse.record(chunk) for chunk in reply.opening())):
             return
         try:
-            async for event in self._events():
-                if event.error is not None:
-                    status, message = failure(event.error)
-                    await self._send(sse.error_record("Generation failed" if status == 500 else message, "server_error") + sse.DONE)
-                    return
-                reply.add_logprobs(event.logprobs)  # sent with the next chunk
-                records = [sse.record(reply.chunk(delta)) for p in _pieces(parser, event) if (delta := reply.add(p))]
-                if event.is_last:
-                    self.usage = event.usage
-                    records.append(sse.record(reply.chunk({}, reply.finish_reason(event.finish_reason))))
-                    if include_usage:
-                        records.append(sse.record(reply.usage_chunk(event.usage)))
-                    records.append(sse.DONE)
+            async for batch in self._batches():
+                records = []
+                for event in batch:
+                    if event.error is not None:
+                        status, message = failure(event.error)
+                        records.append(sse.error_record("Generation failed" if status == 500 else message, "server_error"))
+                        await self._send(b"".join(records) + sse.DONE)
+                        return
+                    reply.add_logprobs(event.logprobs)  # sent with the next chunk
+                    records += [sse.record(reply.chunk(delta)) for p in _pieces(parser, event) if (delta := reply.add(p))]
+                    if event.is_last:
+                        self.usage = event.usage
+                        records.append(sse.record(reply.chunk({}, reply.finish_reason(event.finish_reason))))
+                        if include_usage:
+                            records.append(sse.record(reply.usage_chunk(event.usage)))
+                        records.append(sse.DONE)
                 if records and not await self._send(b"".join(records)):
                     return
         except Exception:
@@ -268,6 +271,17 @@ class GenerationHandler(BaseHandler):
             if event.is_last:
                 self.generating = False
                 return
+
+    async def _batches(self):
+        """``_events`` in lists: one event, with those that arrived while the last write was being flushed.
+        At hundreds of tokens a second (a GPU) a write per token would fall behind the engine; this way one
+        write carries whatever is waiting, and a client that keeps up still gets each token as it comes."""
+        batch = []
+        async for event in self._events():
+            batch.append(event)
+            if event.is_last or self.events.empty():
+                yield batch
+                batch = []
 
     async def _send(self, data: bytes) -> bool:
         """Write and flush; False (and the generation withdrawn) if the client has gone."""
