@@ -1,0 +1,254 @@
+"""The decode step on a GPU: graph against eager, bf16 against int4, against transformers' compiled generate.
+
+Random-weight Llama models of the embedded model's shape (135M), a 1B and
+an 8B (Llama 3) shape are built on the device, so no file is needed. For
+each shape and weight format (bf16; tinygemm int4, group 32 and 128):
+greedy decode tokens/s of our eager step and of the step replayed from a
+CUDA graph (a host read of the chosen token every step, as the server's
+loop does), the fraction of the bandwidth limit the graph reaches (weight
+bytes plus the KV bytes attention reads per token, times tokens/s, over
+the device-to-device copy bandwidth measured in the same run), and the
+time to the first token of a 2,000-token prompt (prefill in the engine's
+512-token chunks). Then transformers' fast path on the same weights:
+``generate`` with a static cache and ``torch.compile(mode="reduce-overhead")``;
+and our step compiled the same way against the hand-captured graph.
+
+    python bench/gpu.py [--shapes 135m 1b 8b] [--steps 128] [--no-hf] [--no-compile]
+"""
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from tornchat.engine import cuda_graph, llama
+from tornchat.engine.model import PREFILL_CHUNK
+
+SHAPES = {  # hidden, FFN, layers, heads, KV heads, vocabulary, tied embedding
+    "135m": (576, 1536, 30, 9, 3, 49152, True),
+    "1b": (2048, 8192, 16, 32, 8, 49152, True),
+    "8b": (4096, 14336, 32, 32, 8, 128256, False),
+}
+PROMPT_TOKENS = 2000
+SHORT_PROMPT = 16
+
+
+def hf_model(shape: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, ffn, layers, heads, kv_heads, vocab, tied = SHAPES[shape]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, vocab_size=vocab, tie_word_embeddings=tied,
+                         max_position_embeddings=4096, rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return model
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second a device-to-device copy moves, counting bytes read and written."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * src.numel() * 10 / (time.perf_counter() - started)
+
+
+def storage_bytes(w) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return sum(t.numel() * t.element_size() for t in vars(w).values() if isinstance(t, torch.Tensor))
+
+
+def weight_bytes(runner) -> int:
+    """What a decode step reads of the weights: every layer matrix, the norms, the head."""
+    matrices = [m for layer in runner.layers for m in layer.matrices()] + [runner.head]
+    return sum(storage_bytes(m) for m in matrices)
+
+
+def decode_rate(runner, steps: int) -> tuple[float, int]:
+    """Greedy tokens/s after a short prompt, and the KV positions attention read per token (on average)."""
+    cache = runner.new_cache()
+    logits = runner.forward(list(range(100, 100 + SHORT_PROMPT)), cache)
+    token = int(logits.argmax())
+    for _ in range(8):  # warm: captures, allocator
+        token = int(runner.forward([token], cache, decode=True).argmax())
+    started = time.perf_counter()
+    for _ in range(steps):
+        token = int(runner.forward([token], cache, decode=True).argmax())
+    rate = steps / (time.perf_counter() - started)
+    # The graph attends over the cache's capacity (masked); the eager step over the filled length.
+    read = cache.kv.shape[2] if runner.graphs is not None else cache.length - steps // 2
+    return rate, read
+
+
+def ttft(runner, prompt_ids: list[int]) -> float:
+    """Seconds from an empty cache to the first token of the prompt (median of 3)."""
+    times = []
+    for _ in range(3):
+        cache = runner.new_cache()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for start in range(0, len(prompt_ids), PREFILL_CHUNK):
+            logits = runner.forward(prompt_ids[start : start + PREFILL_CHUNK], cache)
+        int(logits.argmax())
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def kv_bytes_per_position(runner) -> int:
+    return len(runner.layers) * 2 * runner.kv_heads * runner.head_dim * torch.finfo(runner.kv_dtype).bits // 8
+
+
+def ours(shape: str, model, steps: int, bandwidth: float, compile_step: bool) -> list[dict]:
+    spec, weights = llama.from_transformers(model)
+    prompt_ids = [int(t) for t in torch.randint(100, 40000, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))]
+    rows = []
+    for fmt, group in (("bf16", None), ("int4", 32), ("int4", 128)):
+        packed = weights if group is None else llama.pack(weights, "int4", group_size=group, keep=True)
+        row = {"shape": shape, "weights": fmt if group is None else f"int4 g{group}"}
+        for graphs in (False, True):
+            runner = llama.LlamaRunner(spec, packed, graphs=graphs)
+            rate, positions = decode_rate(runner, steps)
+            per_token = weight_bytes(runner) + positions * kv_bytes_per_position(runner)
+            row["graph" if graphs else "eager"] = round(rate, 1)
+            if graphs:
+                row["bandwidth_fraction"] = round(per_token * rate / bandwidth, 3)
+                row["weight_gb"] = round(weight_bytes(runner) / 1e9, 3)
+                row["ttft_2000_ms"] = round(1000 * ttft(runner, prompt_ids), 1)
+                row["captures"] = runner.graphs.captures
+                if compile_step and group != 32:
+                    row["torch_compile"] = compiled_rate(runner, steps)
+                    row["compiled_then_captured"] = captured_compiled_rate(spec, packed, steps)
+        row["graph_over_eager"] = round(row["graph"] / row["eager"], 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del packed
+        torch.cuda.empty_cache()
+    return rows
+
+
+def compiled_rate(runner, steps: int) -> float | str:
+    """Our step through torch.compile(mode="reduce-overhead") on a fixed cache, tokens/s; or why it failed."""
+    try:
+        compiled = torch.compile(cuda_graph.step, mode="reduce-overhead", fullgraph=True)
+        cache = runner.new_cache()
+        runner.forward(list(range(100, 100 + SHORT_PROMPT)), cache)
+        runner._reserve(cache, 1024)
+        token = torch.tensor([5], device="cuda")
+        position = torch.tensor([SHORT_PROMPT], device="cuda")
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for _ in range(3):  # compile and record
+                compiled(runner, token, position, cache.kv)
+        compile_s = time.perf_counter() - started
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for i in range(steps):
+                position.fill_(SHORT_PROMPT + i)
+                token.copy_(compiled(runner, token, position, cache.kv)[0].argmax()[None])
+                int(token)
+        return {"tokens_per_s": round(steps / (time.perf_counter() - started), 1), "compile_s": round(compile_s, 1)}
+    except Exception as exc:  # noqa: BLE001 (a failed compile is a result to report)
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def captured_compiled_rate(spec, weights, steps: int) -> dict | str:
+    """``step`` compiled by Inductor (its fused kernels, no CUDA graphs of its own) inside our captured graph."""
+    try:
+        runner = llama.LlamaRunner(spec, weights)
+        started = time.perf_counter()
+        runner.graphs = cuda_graph.GraphedSteps(runner, torch.compile(cuda_graph.step, fullgraph=True, dynamic=False))
+        cache = runner.new_cache()
+        token = int(runner.forward(list(range(100, 100 + SHORT_PROMPT)), cache).argmax())
+        token = int(runner.forward([token], cache, decode=True).argmax())
+        compile_s = time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in range(steps):
+            token = int(runner.forward([token], cache, decode=True).argmax())
+        return {"tokens_per_s": round(steps / (time.perf_counter() - started), 1), "compile_s": round(compile_s, 1)}
+    except Exception as exc:  # noqa: BLE001
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def transformers_fast_path(shape: str, model, steps: int) -> dict:
+    """transformers' generate with a static cache and the forward compiled (reduce-overhead), greedy."""
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.pad_token_id = 0
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    short = torch.arange(100, 100 + SHORT_PROMPT, device="cuda")[None]
+    long = torch.randint(100, 40000, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def timed(ids, new_tokens):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    started = time.perf_counter()
+    for _ in range(2):
+        timed(short, steps), timed(long, 1)
+    warm = time.perf_counter() - started
+    first = min(timed(short, 1) for _ in range(3))
+    whole = min(timed(short, steps + 1) for _ in range(3))
+    row = {"shape": shape, "weights": "bf16", "transformers_decode": round(steps / (whole - first), 1),
+           "transformers_ttft_2000_ms": round(1000 * statistics.median(timed(long, 1) for _ in range(3)), 1),
+           "transformers_compile_and_warm_s": round(warm, 1)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def save_checkpoint(shape: str, directory: str, tokenizer_dir: str | None) -> None:
+    from transformers import AutoTokenizer
+
+    from tornchat import checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else checkpoint.load(None).tokenizer
+    model = hf_model(shape)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    del model
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers' compiled generate")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of our step")
+    parser.add_argument("--no-ours", action="store_true", help="only transformers' compiled generate")
+    parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--checkpoint-out", help="also save the first shape's random model here, a HF directory "
+                        "for the server (bench/http_overhead.py --checkpoint-path), with --tokenizer's tokenizer")
+    parser.add_argument("--tokenizer", help="HF tokenizer directory (default: the embedded model's)")
+    args = parser.parse_args()
+    if args.checkpoint_out:
+        save_checkpoint(args.shapes[0], args.checkpoint_out, args.tokenizer)
+    bandwidth = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for shape in args.shapes:
+        model = hf_model(shape)
+        if not args.no_ours:
+            rows += ours(shape, model, args.steps, bandwidth, not args.no_compile)
+        if not args.no_hf:
+            rows.append(transformers_fast_path(shape, model, args.steps))
+        del model
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "rows": rows}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()

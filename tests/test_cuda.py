@@ -1,0 +1,167 @@
+"""The CUDA path: graph-replayed decode steps, tinygemm int4, the server on a GPU. Runs where a GPU is."""
+import os
+
+import openai
+import pytest
+import torch
+
+import gguf_files
+import servers
+from tornchat import prompt
+from tornchat.engine import GenerationRequest, SamplingParams, cuda_graph, llama, quant
+from tornchat.engine.slots import SlotPool
+from tornchat.engine.worker import Engine
+from tornchat.weights import gguf_file
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def gpu_tokenizer(request):
+    """The embedded model's tokenizer, or any HF tokenizer directory named by TORNCHAT_TEST_TOKENIZER (a GPU
+    machine without the embedded model's package)."""
+    directory = os.environ.get("TORNCHAT_TEST_TOKENIZER")
+    if directory:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(directory)
+    return request.getfixturevalue("tokenizer")
+
+
+@pytest.fixture(scope="module")
+def gpu_checkpoint(gpu_tokenizer, tmp_path_factory) -> str:
+    """A random 2-layer Llama as a HF directory, for the server (widths that tinygemm's group 128 divides)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(gpu_tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True)
+    path = tmp_path_factory.mktemp("gpu-checkpoint")
+    LlamaForCausalLM(config).save_pretrained(path)
+    gpu_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gpu_model(gpu_tokenizer):
+    """A 4-layer random Llama over SmolLM2's vocabulary, on the GPU in fp32 (ties are rarer than in bf16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(gpu_tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True)
+    return llama.from_transformers(LlamaForCausalLM(config).eval().cuda())
+
+
+def runner(model, graphs=True, quantize="none"):
+    spec, weights = model
+    return llama.LlamaRunner(spec, llama.pack(weights, quantize, keep=True), graphs=graphs)
+
+
+def greedy_ids(run, prompt_ids, steps):
+    cache = run.new_cache()
+    logits = run.forward(prompt_ids, cache)
+    out = []
+    for _ in range(steps):
+        out.append(int(logits.argmax()))
+        logits = run.forward([out[-1]], cache, decode=True)
+    return out, cache
+
+
+def test_graph_replay_is_bit_for_bit_the_eager_step_cache_included(gpu_model):
+    graphed = runner(gpu_model)
+    eager_cache, graph_cache = graphed.new_cache(), graphed.new_cache()
+    prompt_ids = list(range(100, 140))
+    graphed.forward(prompt_ids, eager_cache)
+    graphed.forward(prompt_ids, graph_cache)
+    for position, token in enumerate(range(500, 520), start=len(prompt_ids)):
+        with torch.inference_mode():
+            eager = cuda_graph.step(graphed, torch.tensor([token], device="cuda"), torch.tensor([position], device="cuda"),
+                                    eager_cache.kv)[0]
+        eager_cache.length += 1
+        replayed = graphed.forward([token], graph_cache, decode=True)
+        assert torch.equal(replayed, eager)
+    assert torch.equal(graph_cache.kv[:, :, : graph_cache.length], eager_cache.kv[:, :, : eager_cache.length])
+    assert graphed.graphs.captures == 1
+
+
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_graphs_decode_the_same_greedy_tokens_as_the_eager_loop_across_cache_growth(gpu_model, quantize):
+    prompt_ids = list(range(1000, 1250))  # the cache grows past 256 positions while decoding: a new capture
+    with_graphs, cache = greedy_ids(runner(gpu_model, True, quantize), prompt_ids, 40)
+    eager, _ = greedy_ids(runner(gpu_model, False, quantize), prompt_ids, 40)
+    assert with_graphs == eager
+    assert cache.kv.shape[2] == 512
+
+
+def test_int4_matmul_computes_the_int4_weights(gpu_model):
+    weight = gpu_model[1].layers[0].w13.float()
+    packed = quant.quantize_int4_cuda(weight, 32)
+    x = torch.randn(3, weight.shape[1], device="cuda")
+    expected = x.bfloat16().float() @ quant.fake_quantize_int4(weight, 32).T
+    got = quant.linear(x, packed).float()
+    assert got.shape == expected.shape and quant.shape(packed) == tuple(weight.shape)
+    torch.testing.assert_close(got, expected, atol=0.05 * float(expected.abs().max()), rtol=0.02)
+
+
+def engine_for(model, tokenizer, graphs=True):
+    run = runner(model, graphs)
+    stops = prompt.stop_token_ids(tokenizer, None)
+    return Engine(run, tokenizer, stops, SlotPool(run, 4, 1 << 30), max_queue=4)
+
+
+def generated(engine, ids, **kwargs):
+    events = list(engine.generate(GenerationRequest(list(ids), **kwargs)))
+    return [t for e in events for t in e.token_ids], events[-1]
+
+
+def test_seeded_sampling_and_kv_reuse_are_the_same_with_graphs(gpu_model, gpu_tokenizer):
+    seeded = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=1234)
+    first_turn = list(range(2000, 2060))
+    results = []
+    for graphs in (True, False):
+        engine = engine_for(gpu_model, gpu_tokenizer, graphs)
+        try:
+            reply, _ = generated(engine, first_turn, sampling=seeded, max_tokens=30)
+            second_turn = first_turn + reply + list(range(3000, 3020))
+            again, last = generated(engine, second_turn, sampling=GREEDY, max_tokens=30)
+            results.append((reply, again, last.usage.cached_tokens))
+        finally:
+            engine.close()
+    assert results[0] == results[1]
+    assert results[0][2] >= len(first_turn)  # the second turn reused the first's cache
+
+
+def test_the_server_streams_from_the_gpu_and_reuses_its_cache(gpu_checkpoint):
+    with servers.running("--checkpoint-path", gpu_checkpoint, "--device", "cuda", "--quantize", "int4") as server:
+        client = openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "Tell me about the sea."}]
+        chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens == 20 and text
+        turn = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "And the sky?"}]
+        again = client.chat.completions.create(model="m", messages=turn, max_tokens=5, temperature=0)
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+        assert "tinygemm" in server.log() and "cuda" in server.log()
+
+
+@pytest.mark.parametrize("mix", ["q4_k_m", "q4_1+q5_1"])
+def test_a_quantized_gguf_on_the_gpu_computes_what_it_does_on_the_cpu(tmp_path, mix):
+    """The GGUF loader's CUDA path: every tensor dequantized into the dtype on the device."""
+    from test_gguf import MIXES
+
+    path = gguf_files.write(tmp_path / "m.gguf", MIXES[mix], tied=mix == "q4_k_m")
+    ids = list(range(3, 60))
+    config, on_cpu = gguf_file.load(path, plain=torch.float32)
+    _, on_gpu = gguf_file.load(path, plain=torch.float32)
+    cpu_logits = llama.LlamaRunner(config, on_cpu).score(ids, "prefill")
+    gpu = llama.LlamaRunner(config, gguf_file.to_device(on_gpu, "cuda"))
+    torch.testing.assert_close(gpu.score(ids, "prefill").cpu(), cpu_logits, atol=2e-3, rtol=1e-3)
+    cache = gpu.new_cache()
+    gpu.forward(ids[:-1], cache)
+    torch.testing.assert_close(gpu.forward(ids[-1:], cache, decode=True).cpu(), cpu_logits[-1], atol=2e-3, rtol=1e-3)
