@@ -350,3 +350,28 @@ def test_a_quantized_files_candidates_are_checked_against_its_own_blocks():
     narrowed = autotune.check_quality(runners[formats[2]], ids, reference)
     assert narrowed["perplexity_rise"] != 0 and autotune.check_quality(runners[formats[0]], ids, reference)[
         "perplexity_rise"] == 0
+
+
+def test_a_first_start_serves_with_the_modes_own_weights_fed_the_faster_inputs(tiny_model, monkeypatch):
+    fake_machine(monkeypatch, {**AVX2_LIKE, ("int8", "fp32"): 8.0})
+    served = autotune.provisional(*plain(tiny_model), "int8")
+    assert isinstance(served.layers[0].w13, quant.Int8Weight) and quant.input_dtype(served.layers[0].w13) == torch.float32
+    assert autotune.provisional(*plain(tiny_model), "auto").layers[0].w13.dtype == torch.float32  # the model's own
+    fake_machine(monkeypatch, AVX2_LIKE, missing={("int4", "bf16"), ("int4", "fp32")})
+    with pytest.raises(autotune.NoFormat, match="--quantize int4: none of its kernels runs"):
+        autotune.provisional(*plain(tiny_model), "int4")
+
+
+def test_the_measurement_runs_in_slices_and_decides_what_choose_does(tiny_model, tmp_path, monkeypatch):
+    calls = fake_machine(monkeypatch, AVX2_LIKE, quality={("int8", "bf16"): 0.05})
+    steps = autotune.measure(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
+    slices = 0
+    with pytest.raises(StopIteration) as done:
+        while True:
+            before = dict(calls)
+            next(steps)
+            slices += 1
+            assert sum(calls.values()) - sum(before.values()) <= 1  # at most one timing or quality check a slice
+    runner, choice = done.value.value
+    assert slices >= 10 and choice.format == Format("int4", "bf16", "fp32") and runner.format == choice.format
+    assert autotune.recall(tmp_path / "d.json", autotune.cache_key("auto", "ckpt"))["format"]["quantize"] == "int4"

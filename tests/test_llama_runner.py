@@ -216,7 +216,7 @@ def test_build_picks_runner(tiny_model, monkeypatch, tmp_path):
     ids = list(range(100, 140))
 
     def runner_for(config):
-        return make_runner(checkpoint.Loaded(tokenizer=None, source="tiny", model=tiny_model), config, ids, "tiny")
+        return make_runner(checkpoint.Loaded(tokenizer=None, source="tiny", model=tiny_model), config, ids, "tiny")[0]
 
     assert isinstance(runner_for(Config()), llama.LlamaRunner)
     assert isinstance(runner_for(Config(model_impl="hf")), HFRunner)

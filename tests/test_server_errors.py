@@ -29,6 +29,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.stats = EngineStats()
+        self.tuning = None  # no measurement under way
 
     def queue_depth(self) -> int:
         return 0

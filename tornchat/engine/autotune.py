@@ -24,6 +24,7 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Generator
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -340,8 +341,53 @@ def time_steps(runner: LlamaRunner, ids: list[int], steps: int = 24) -> float:
 def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_ids: list[int], cache_file,
            checkpoint: str, gate: bool | None = None) -> tuple[LlamaRunner, Choice]:
     """The runner for --quantize requested (auto, a mode, or packed: weights packed while loading) on a CPU,
-    and why it was chosen. ``weights``: plain ones (packed into the format, and to be given up by the
-    caller afterwards) or, for ``packed``, the packed ones. ``gate``: check quality (default: for auto).
+    and why it was chosen: an earlier start's decision (``recall``), else ``measure``'s, all at once.
+    ``weights``: plain ones (packed into the format, and to be given up by the caller afterwards) or, for
+    ``packed``, the packed ones. ``gate``: check quality (default: for auto)."""
+    known = recall(cache_file, cache_key(requested, checkpoint))
+    if known:
+        choice = Choice(Format(**known["format"]), known["step_ms"], known["estimate_ms"], known["quality"], cached=True)
+        log.info("decode weights %s: measured on an earlier start (%s)", choice.format.label(), cache_file)
+        return choice.format.runner(config, weights, keep=False), choice
+    return finish(measure(config, weights, requested, quality_ids, cache_file, checkpoint, gate))
+
+
+def finish(steps: Generator):
+    """Run a generator of slices (``measure``) to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def provisional(config: LlamaConfig, weights: LlamaWeights, requested: str) -> LlamaRunner:
+    """What to serve with while ``measure`` runs (a first start): the weights as the mode has them without
+    rounding anything (auto: the model's own; packed: as loaded; a mode: packed into it), fed whichever input
+    dtype one layer's matmuls run faster with here (10-28x apart, and which one depends on the CPU); the
+    cache, attention and prefill as a runner has them by default."""
+    base = LlamaRunner(config, weights)
+    if requested == "auto":
+        return base
+    int4_fits = all(quant.supports(m, 32) for m in base.layers[0].matrices() if isinstance(m, torch.Tensor))
+    estimates = {}
+    for fmt in candidates(requested, int4_fits):
+        try:
+            estimates[fmt] = time_matmuls(fmt, base, FINALIST_MARGIN * min(estimates.values(), default=math.inf))
+        except RuntimeError as exc:
+            log.info("decode weights %s do not run here: %s", fmt.label(), str(exc).splitlines()[0])
+    if not estimates:
+        raise NoFormat(f"--quantize {requested}: none of its kernels runs on this CPU ({cpu.model_name()})")
+    fmt = min(estimates, key=estimates.get)
+    log.info("serving with %s while the formats are measured", fmt.label())
+    return fmt.runner(config, weights)
+
+
+def measure(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_ids: list[int], cache_file,
+            checkpoint: str, gate: bool | None = None) -> Generator[None, None, tuple[LlamaRunner, Choice]]:
+    """``choose``'s measurement, in slices: a generator that yields between timings (each a second or so) and
+    returns (runner, choice), the decision remembered in cache_file. The engine runs it a slice at a time
+    while no request waits (serving meanwhile with ``provisional``), or ``finish`` runs it at once.
 
     Two rounds of timing: each candidate's matmuls for one layer (cheap, but
     the weights sit in the CPU's cache), then whole decode steps of the
@@ -353,18 +399,14 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
     model's own weights, or the packed ones as loaded (``quality_reference``).
     """
     key = cache_key(requested, checkpoint)
-    known = recall(cache_file, key)
-    if known:
-        choice = Choice(Format(**known["format"]), known["step_ms"], known["estimate_ms"], known["quality"], cached=True)
-        log.info("decode weights %s: measured on an earlier start (%s)", choice.format.label(), cache_file)
-        return choice.format.runner(config, weights, keep=False), choice
-
     started = time.perf_counter()
     base = LlamaRunner(config, weights)  # the shapes to time, and for plain weights the quality reference
     int4_fits = all(quant.supports(m, 32) for m in base.layers[0].matrices() if isinstance(m, torch.Tensor))
     int8_layers = any(isinstance(m, quant.Int8Weight) for layer in base.layers for m in layer.matrices())
     bf16_cache, attention_ms = bf16_cache_pays(base)
+    yield
     own_attention, own_ms = own_attention_pays(base, torch.bfloat16 if bf16_cache else torch.float32)
+    yield
     attention_ms.update({f"decode {name}, {'bf16' if bf16_cache else 'fp32'} cache": v for name, v in own_ms.items()})
     estimates, memo = {}, {}
     for fmt in candidates(requested, int4_fits, int8_layers, isinstance(base.head, quant.Int8Weight)):
@@ -374,6 +416,7 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
             estimates[fmt] = time_matmuls(fmt, base, FINALIST_MARGIN * min(estimates.values(), default=math.inf), memo)
         except RuntimeError as exc:  # a kernel this CPU's build lacks
             log.info("decode weights %s do not run here: %s", fmt.label(), str(exc).splitlines()[0])
+        yield
     if not estimates:
         raise NoFormat(f"--quantize {requested}: none of its kernels runs on this CPU ({cpu.model_name()})")
 
@@ -381,8 +424,11 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
         return base if fmt == Format("none") else fmt.runner(config, weights, memo=memo)
 
     best = min(estimates.values())
-    runners = {fmt: build(fmt) for fmt, s in estimates.items() if s <= FINALIST_MARGIN * best}
-    steps = {fmt: time_steps(runner, quality_ids) for fmt, runner in runners.items()}
+    runners, steps = {}, {}
+    for fmt in [fmt for fmt, s in estimates.items() if s <= FINALIST_MARGIN * best]:
+        runners[fmt] = build(fmt)
+        steps[fmt] = time_steps(runners[fmt], quality_ids)
+        yield
     step_ms = {fmt.label(): round(1000 * s, 3) for fmt, s in steps.items()}
     estimate_ms = {fmt.label(): round(1000 * s, 3) for fmt, s in estimates.items()}
     log.info("decode step, ms: %s; estimates from one layer's matmuls, ms: %s; attention at %d positions, ms per "
@@ -397,6 +443,7 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
             policy = prefill_policy(runner)
             log.info("prefill of %s, ms for one layer's matmuls by rows: %s", fmt.label(),
                      {k: round(v, 3) for k, v in policy[2].items()})
+            yield
         prefill, prefill_from, _ = policy
         fmt = replace(fmt, prefill=prefill, prefill_from=prefill_from)
         runner.prefill_dtype = None if prefill == "kernels" else DTYPES[prefill]
@@ -405,7 +452,9 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
         if (requested == "auto" if gate is None else gate) and fmt != Format("none"):
             if reference is None:
                 reference = quality_reference(base, runners, steps, quality_ids)
+                yield
             quality = check_quality(runner, quality_ids, reference)
+            yield
         if quality and not passes(quality):
             log.info("decode weights %s rejected: %s", fmt.label(), quality)
             continue

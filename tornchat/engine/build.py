@@ -1,5 +1,6 @@
 """Config in, ready Engine out: the one place that wires checkpoint, runner and slots."""
 import logging
+from collections.abc import Generator
 
 import torch
 
@@ -25,17 +26,20 @@ def pick_device(name: str) -> str:
     return name
 
 
-def make_runner(loaded: checkpoint.Loaded, config: Config, quality_ids: list[int], checkpoint_id: str) -> Runner:
+def make_runner(loaded: checkpoint.Loaded, config: Config, quality_ids: list[int], checkpoint_id: str,
+                later: bool = False) -> tuple[Runner, Generator | None]:
     """The lean forward where the family allows it (PERF-NOTES.md), else transformers' modules; on a CPU,
     decode weights in the format --quantize asks for, timed on this machine (autotune). Takes the weights
-    over from ``loaded``, so that the runner holds the only copy."""
+    over from ``loaded``, so that the runner holds the only copy. With ``later``, a checkpoint whose format
+    this machine has not measured yet comes back as ``autotune.provisional``'s runner with the measurement
+    to run (``autotune.measure``); otherwise the second item is None."""
     if loaded.lean is None:
         model = loaded.model
         reason = llama.unsupported_reason(model.config)
         if config.model_impl == "hf" or (config.model_impl == "auto" and reason):
             if config.quantize not in ("none", "auto"):
                 raise checkpoint.CheckpointError(f"--quantize {config.quantize} needs the lean forward ({reason or 'model_impl is hf'})")
-            return HFRunner(model)
+            return HFRunner(model), None
         if reason:
             raise checkpoint.CheckpointError(f"--model-impl lean: {reason}")
         spec, weights = llama.from_transformers(model)
@@ -45,20 +49,23 @@ def make_runner(loaded: checkpoint.Loaded, config: Config, quality_ids: list[int
     loaded.model = loaded.lean = None
     if weights.final_norm.device.type == "cuda":
         try:
-            return autotune.choose_on_gpu(spec, weights, config.quantize, quality_ids)
+            return autotune.choose_on_gpu(spec, weights, config.quantize, quality_ids), None
         except autotune.NoFormat as exc:
             raise checkpoint.CheckpointError(str(exc)) from None
     if config.quantize == "none" and not loaded.quantized:
-        return llama.LlamaRunner(spec, weights)
+        return llama.LlamaRunner(spec, weights), None
     cache_file = checkpoint.cache_root() / "decode-formats.json"
+    # Weights packed while loading (a GGUF's blocks, a checkpoint packed layer by layer) are a format of
+    # their own: their inputs and prefill are timed, and checked for quality unless the user chose them.
+    requested, gate = "packed" if loaded.quantized else config.quantize, config.quantize == "auto"
     try:
-        # Weights packed while loading (a GGUF's blocks, a checkpoint packed layer by layer) are a format of
-        # their own: their inputs and prefill are timed, and checked for quality unless the user chose them.
-        runner, _ = autotune.choose(spec, weights, "packed" if loaded.quantized else config.quantize, quality_ids,
-                                    cache_file, checkpoint_id, gate=config.quantize == "auto")
+        if later and autotune.recall(cache_file, autotune.cache_key(requested, checkpoint_id)) is None:
+            return autotune.provisional(spec, weights, requested), autotune.measure(
+                spec, weights, requested, quality_ids, cache_file, checkpoint_id, gate)
+        runner, _ = autotune.choose(spec, weights, requested, quality_ids, cache_file, checkpoint_id, gate=gate)
     except autotune.NoFormat as exc:
         raise checkpoint.CheckpointError(str(exc)) from None
-    return runner
+    return runner, None
 
 
 def speculation(runner: Runner, mode: str, ids: list[int], checkpoint_id: str) -> speculate.Costs | None:
@@ -111,9 +118,11 @@ def _build_on_worker(config: Config) -> Engine:
                              model_impl=config.model_impl, quantize=config.quantize)
     stops = prompt.stop_token_ids(loaded.tokenizer, loaded.generation_config)
     ids, checkpoint_id = quality_ids(loaded.tokenizer), checkpoint.fingerprint(loaded.source)
-    runner = make_runner(loaded, config, ids, checkpoint_id)
+    runner, measuring = make_runner(loaded, config, ids, checkpoint_id, later=True)
     warm_up(runner)
-    costs = speculation(runner, config.speculate, ids, checkpoint_id)
+    # A first start serves at once; the measurements run while no request waits (Engine's ``tuning``).
+    costs = None if measuring else speculation(runner, config.speculate, ids, checkpoint_id)
+    tuning = measured(measuring, config.speculate, ids, checkpoint_id) if measuring else None
     slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024, prompt_bytes(loaded.tokenizer))
     log.info(
         "engine ready on %s (%s), %s forward, weights %s, %s, %d threads, %d KV slots",
@@ -124,4 +133,13 @@ def _build_on_worker(config: Config) -> Engine:
         torch.get_num_threads(), config.kv_slots,
     )
     return Engine(runner, loaded.tokenizer, stops, slots, max_queue=config.max_queue, on_this_thread=True,
-                  speculation=costs)
+                  speculation=costs, tuning=tuning)
+
+
+def measured(measuring: Generator, mode: str, ids: list[int], checkpoint_id: str) -> Generator:
+    """A first start's work after serving began, in slices: the formats measured (``autotune.measure``), the
+    kept runner warmed up, and its speculation costs; returns (runner, costs) for the engine to switch to."""
+    runner, _ = yield from measuring
+    warm_up(runner)
+    yield
+    return runner, speculation(runner, mode, ids, checkpoint_id)
