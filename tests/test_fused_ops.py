@@ -147,6 +147,10 @@ def test_dequantize_int4_is_the_reference_bit_for_bit(layout, inputs, dtype):
                                           dtype == torch.bfloat16)
     expected = weight.dequantize_reference(dtype, None, layout)
     assert got.dtype == expected.dtype == dtype and torch.equal(got, expected)
+    into = torch.full((256, 128), float("nan"), dtype=dtype)  # a reused buffer: every value written again
+    again = quant._native().dequantize_int4(weight.packed, weight.scales_and_zeros, 32, layout.rows, layout.halves,
+                                            dtype == torch.bfloat16, into)
+    assert torch.equal(again, expected) and again.data_ptr() == into.data_ptr()
     if dtype == torch.float32 and inputs == torch.float32:  # and the reference is the levels' values
         torch.testing.assert_close(got, (levels.float().reshape(128, 8, 32) * scales[..., None] + lows[..., None]).reshape(128, 256),
                                    atol=1e-6, rtol=1e-6)

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from tornchat.engine import cpu, fused, quant
-from tornchat.engine.llama import QUANTIZE, LlamaConfig, LlamaRunner, LlamaWeights, pack, packers, shared_embedding
+from tornchat.engine.llama import (QUANTIZE, LlamaConfig, LlamaRunner, LlamaWeights, as_plain, pack, packers,
+                                   shared_embedding)
 
 log = logging.getLogger("tornchat.engine")
 
@@ -235,16 +236,16 @@ def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
     kernels on short ones; the shortest length from which dequantizing keeps winning is kept."""
     matrices = runner.layers[0].matrices()
     ms: dict[str, float] = {}
+    scratch: dict = {}  # as a prefill reuses its buffers (LlamaRunner.scratch)
 
     def timed(rows: int, dtype: torch.dtype | None, limit: float = math.inf) -> float:
         """ms for the layer's matrices on rows, or, once past limit ms, what it took so far."""
         total = 0.0
-        for matrix in matrices:
+        for role, matrix in enumerate(matrices):
             x = torch.randn(rows, quant.shape(matrix)[1])
 
             def run():
-                plain = None if dtype is None else quant.dequantize(matrix, dtype)
-                return quant.linear(x, matrix if plain is None else plain)
+                return quant.linear(x, matrix if dtype is None else as_plain(matrix, dtype, scratch, str(role)))
             total += 1000 * _seconds(run, repeats=2 if rows >= 256 else 3, calls=2, limit=(limit - total) / 1000)
             if total > limit:
                 break

@@ -255,6 +255,7 @@ class LlamaRunner:
         self.ops = ops or fused.ops_for(self.device, self.dtype)
         self.kv_dtype = kv_dtype or self.dtype
         self.prefill_dtype, self.prefill_from = prefill_dtype, prefill_from
+        self.scratch: dict = {}  # one layer's matrices dequantized for prefill, a buffer per role reused (as_plain)
         # On CUDA, one-token steps replay a captured graph (cuda_graph.py) unless ``graphs`` is off.
         self.graphs = cuda_graph.GraphedSteps(self) if graphs and self.device.type == "cuda" else None
         self.decode_step = None  # the C++ step over the layers where the native ops run; None: the Python loop
@@ -336,7 +337,7 @@ class LlamaRunner:
         return self.prefill_dtype if not decode and rows >= self.prefill_from else None
 
     def _logits(self, x: torch.Tensor, weights_as: torch.dtype | None) -> torch.Tensor:
-        head = _plain(self.head, weights_as)
+        head = as_plain(self.head, weights_as)
         h = self.ops.rms_norm(x, self.final_norm, self.eps, quant.input_dtype(head) == torch.bfloat16)
         return quant.linear(h, head).float()
 
@@ -371,7 +372,10 @@ class LlamaRunner:
             positions = torch.arange(end, device=self.device)
             mask = (positions[None, :] <= positions[start:, None]).repeat(groups, 1)
         for i, packed in enumerate(self.layers):
-            layer = packed.packed(lambda w: _plain(w, weights_as)) if weights_as is not None else packed
+            layer = packed
+            if weights_as is not None:
+                layer = packed._replace(**{role: as_plain(w, weights_as, self.scratch, role)
+                                           for role, w in zip(("wqkv", "wo", "w13", "w2"), packed.matrices())})
             h = ops.rms_norm(x, layer.attn_norm, eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
             qkv = quant.linear(h, layer.wqkv)
             if layer.bqkv is not None:
@@ -391,9 +395,17 @@ class LlamaRunner:
         return x
 
 
-def _plain(w: quant.Weight, dtype: torch.dtype | None) -> quant.Weight:
-    """w dequantized into dtype for one use, or w itself (no dtype asked, or a layout read only by its kernel)."""
+def as_plain(w: quant.Weight, dtype: torch.dtype | None, scratch: dict | None = None, role: str = "") -> quant.Weight:
+    """w dequantized into dtype for one use, or w itself (no dtype asked, or a layout read only by its kernel).
+    ``scratch``: buffers by (role, dtype) that packed int4 weights are dequantized into, reused from layer to
+    layer and chunk to chunk (``LlamaRunner.scratch``)."""
     if dtype is None:
         return w
-    plain = quant.dequantize(w, dtype)
+    into = None
+    if scratch is not None and isinstance(w, quant.Int4Weight):
+        n, k = quant.shape(w)
+        into = scratch.get((role, dtype))
+        if into is None or into.shape != (k, n):
+            into = scratch[(role, dtype)] = torch.empty(k, n, dtype=dtype)
+    plain = quant.dequantize(w, dtype, into=into)
     return w if plain is None else plain

@@ -96,16 +96,18 @@ class Int4Weight:
         x = x.to(self.scales_and_zeros.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
-    def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None,
+                   into: torch.Tensor | None = None) -> torch.Tensor | None:
         """The weights [N, K] (or only ``rows``) as the kernel computes them: (level - 8) * scale + zero.
-        None where this CPU's layout is not known."""
+        None where this CPU's layout is not known. The C++ path writes them as [K, N] (``into``, a buffer to
+        reuse, else a new tensor) and returns its transposed view."""
         layout = int4_layout()
         if layout is None or not layout.fits(self.packed.shape[0]):
             return None
         native = _native()
         if rows is None and native is not None and dtype in (torch.float32, torch.bfloat16):
             return native.dequantize_int4(self.packed, self.scales_and_zeros, self.group_size, layout.rows,
-                                          layout.halves, dtype == torch.bfloat16)
+                                          layout.halves, dtype == torch.bfloat16, into)
         return self.dequantize_reference(dtype, rows, layout)
 
     def dequantize_reference(self, dtype: torch.dtype, rows: torch.Tensor | None, layout: "Int4Layout") -> torch.Tensor:
@@ -299,13 +301,17 @@ def input_dtype(w: Weight) -> torch.dtype:
     return w.scales_and_zeros.dtype if isinstance(w, Int4Weight) else w.scales.dtype
 
 
-def dequantize(w: Weight, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+def dequantize(w: Weight, dtype: torch.dtype, rows: torch.Tensor | None = None,
+               into: torch.Tensor | None = None) -> torch.Tensor | None:
     """The plain weights [N, K] (or only ``rows``) in ``dtype`` that w computes with; None for layouts that
-    cannot be read back here (oneDNN's packed bf16, tinygemm's int4, an int4 layout this CPU does not have)."""
+    cannot be read back here (oneDNN's packed bf16, tinygemm's int4, an int4 layout this CPU does not have).
+    ``into``: a [K, N] buffer packed int4 weights may be written into (``Int4Weight.dequantize``)."""
     if isinstance(w, torch.Tensor):
         return (w if rows is None else w[rows]).to(dtype)
     if isinstance(w, Bf16Weight | CudaInt4Weight):
         return None
+    if isinstance(w, Int4Weight):
+        return w.dequantize(dtype, rows, into)
     return w.dequantize(dtype, rows)
 
 
