@@ -7,13 +7,14 @@ import json
 import logging
 import math
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
 from tornchat.engine import autotune, cpu, llama, quant
 from tornchat.engine.autotune import Format
+from tornchat.weights import gguf_file
 
 IDS = list(range(100, 160))
 
@@ -375,3 +376,25 @@ def test_the_measurement_runs_in_slices_and_decides_what_choose_does(tiny_model,
     runner, choice = done.value.value
     assert slices >= 10 and choice.format == Format("int4", "bf16", "fp32") and runner.format == choice.format
     assert autotune.recall(tmp_path / "d.json", autotune.cache_key("auto", "ckpt"))["format"]["quantize"] == "int4"
+
+
+def test_a_later_start_serves_the_loaded_blocks_while_the_kept_format_is_built(tmp_path, monkeypatch):
+    """A decision that rounds a file's int8 matrices onto int4 takes seconds at every start: it is built as
+    one engine slice, from the same weights the provisional runner (its inputs known: no timing) reads."""
+    import gguf_files
+    from test_gguf import MIXES
+
+    calls = fake_machine(monkeypatch, AVX2_LIKE)
+    config, weights = gguf_file.load(gguf_files.write(tmp_path / "m.gguf", MIXES["q4_k_m"]))
+    known = {"format": asdict(Format("packed-int4", inputs="fp32")), "step_ms": {}, "estimate_ms": {}, "quality": {}}
+    assert autotune.rebuilds(known) and not autotune.rebuilds({**known, "format": asdict(Format("packed", "bf16"))})
+    served = autotune.provisional(config, weights, "packed", known["format"]["inputs"])
+    assert calls["matmuls"] == 0 and quant.input_dtype(served.layers[0].w2) == torch.float32
+    assert isinstance(served.layers[0].w2, quant.Int8Weight)  # Q6_K as loaded
+    steps = autotune.recalled(config, weights, known)
+    next(steps)
+    with pytest.raises(StopIteration) as done:
+        next(steps)
+    runner, choice = done.value.value
+    assert choice.cached and runner.format == Format("packed-int4", inputs="fp32")
+    assert isinstance(runner.layers[0].w2, quant.Int4Weight) and isinstance(served.layers[0].w2, quant.Int8Weight)

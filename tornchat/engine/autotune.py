@@ -362,14 +362,18 @@ def finish(steps: Generator):
             return done.value
 
 
-def provisional(config: LlamaConfig, weights: LlamaWeights, requested: str) -> LlamaRunner:
-    """What to serve with while ``measure`` runs (a first start): the weights as the mode has them without
-    rounding anything (auto: the model's own; packed: as loaded; a mode: packed into it), fed whichever input
-    dtype one layer's matmuls run faster with here (10-28x apart, and which one depends on the CPU); the
-    cache, attention and prefill as a runner has them by default."""
+def provisional(config: LlamaConfig, weights: LlamaWeights, requested: str, inputs: str | None = None) -> LlamaRunner:
+    """What to serve with while ``measure`` (a first start) or ``recalled`` runs: the weights as the mode has
+    them without rounding anything (auto: the model's own; packed: as loaded; a mode: packed into it), fed
+    ``inputs``, or where that is not known yet whichever input dtype one layer's matmuls run faster with here
+    (10-28x apart, and which one depends on the CPU); the cache, attention and prefill as a runner has them
+    by default."""
     base = LlamaRunner(config, weights)
     if requested == "auto":
         return base
+    if inputs is not None:
+        log.info("serving with %s while an earlier start's format is built", Format(requested, inputs=inputs).label())
+        return Format(requested, inputs=inputs).runner(config, weights)
     int4_fits = all(quant.supports(m, 32) for m in base.layers[0].matrices() if isinstance(m, torch.Tensor))
     estimates = {}
     for fmt in candidates(requested, int4_fits):
@@ -382,6 +386,22 @@ def provisional(config: LlamaConfig, weights: LlamaWeights, requested: str) -> L
     fmt = min(estimates, key=estimates.get)
     log.info("serving with %s while the formats are measured", fmt.label())
     return fmt.runner(config, weights)
+
+
+def rebuilds(known: dict) -> bool:
+    """Whether an earlier start's decision takes work beyond the weights as loaded: rounding a file's int8
+    matrices onto int4 (1.0 s at 1B, 4 s at 3B) or packing plain weights."""
+    return Format(**known["format"]).quantize not in ("none", "packed")
+
+
+def recalled(config: LlamaConfig, weights: LlamaWeights, known: dict) -> Generator[None, None, tuple[LlamaRunner, Choice]]:
+    """An earlier start's decision built as one slice for the engine (as ``measure``'s are), so that a later
+    start that ``rebuilds`` serves from ``provisional`` meanwhile. The weights are kept: the provisional
+    runner reads them until the switch."""
+    yield
+    choice = Choice(Format(**known["format"]), known["step_ms"], known["estimate_ms"], known["quality"], cached=True)
+    log.info("decode weights %s: measured on an earlier start, built", choice.format.label())
+    return choice.format.runner(config, weights), choice
 
 
 def measure(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_ids: list[int], cache_file,

@@ -32,7 +32,8 @@ def make_runner(loaded: checkpoint.Loaded, config: Config, quality_ids: list[int
     decode weights in the format --quantize asks for, timed on this machine (autotune). Takes the weights
     over from ``loaded``, so that the runner holds the only copy. With ``later``, a checkpoint whose format
     this machine has not measured yet comes back as ``autotune.provisional``'s runner with the measurement
-    to run (``autotune.measure``); otherwise the second item is None."""
+    to run (``autotune.measure``), and one whose measured format takes building (``autotune.rebuilds``) with
+    that to run (``autotune.recalled``); otherwise the second item is None."""
     if loaded.lean is None:
         model = loaded.model
         reason = llama.unsupported_reason(model.config)
@@ -58,10 +59,14 @@ def make_runner(loaded: checkpoint.Loaded, config: Config, quality_ids: list[int
     # Weights packed while loading (a GGUF's blocks, a checkpoint packed layer by layer) are a format of
     # their own: their inputs and prefill are timed, and checked for quality unless the user chose them.
     requested, gate = "packed" if loaded.quantized else config.quantize, config.quantize == "auto"
+    known = autotune.recall(cache_file, autotune.cache_key(requested, checkpoint_id))
     try:
-        if later and autotune.recall(cache_file, autotune.cache_key(requested, checkpoint_id)) is None:
+        if later and known is None:
             return autotune.provisional(spec, weights, requested), autotune.measure(
                 spec, weights, requested, quality_ids, cache_file, checkpoint_id, gate)
+        if later and autotune.rebuilds(known):
+            inputs = known["format"]["inputs"]
+            return autotune.provisional(spec, weights, requested, inputs), autotune.recalled(spec, weights, known)
         runner, _ = autotune.choose(spec, weights, requested, quality_ids, cache_file, checkpoint_id, gate=gate)
     except autotune.NoFormat as exc:
         raise checkpoint.CheckpointError(str(exc)) from None
