@@ -347,10 +347,15 @@ def choose(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_i
     ``packed``, the packed ones. ``gate``: check quality (default: for auto)."""
     known = recall(cache_file, cache_key(requested, checkpoint))
     if known:
-        choice = Choice(Format(**known["format"]), known["step_ms"], known["estimate_ms"], known["quality"], cached=True)
+        choice = recalled_choice(known)
         log.info("decode weights %s: measured on an earlier start (%s)", choice.format.label(), cache_file)
         return choice.format.runner(config, weights, keep=False), choice
     return finish(measure(config, weights, requested, quality_ids, cache_file, checkpoint, gate))
+
+
+def recalled_choice(known: dict) -> Choice:
+    """An earlier start's decision (``recall``) as a Choice."""
+    return Choice(Format(**known["format"]), known["step_ms"], known["estimate_ms"], known["quality"], cached=True)
 
 
 def finish(steps: Generator):
@@ -399,7 +404,7 @@ def recalled(config: LlamaConfig, weights: LlamaWeights, known: dict) -> Generat
     start that ``rebuilds`` serves from ``provisional`` meanwhile. The weights are kept: the provisional
     runner reads them until the switch."""
     yield
-    choice = Choice(Format(**known["format"]), known["step_ms"], known["estimate_ms"], known["quality"], cached=True)
+    choice = recalled_choice(known)
     log.info("decode weights %s: measured on an earlier start, built", choice.format.label())
     return choice.format.runner(config, weights), choice
 

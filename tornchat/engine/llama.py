@@ -18,6 +18,7 @@ from tornchat.engine import cuda_graph, fused, quant
 
 FAMILIES = ("llama", "qwen2", "mistral")
 QUANTIZE = ("none", "bf16", "int8", "int4")
+MATRICES = ("wqkv", "wo", "w13", "w2")  # a Layer's matrices, in the order matrices() gives them
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
 CACHE_CHUNK = 256  # positions a cache grows by; kv_memory_mb measures what is allocated
 
@@ -32,10 +33,10 @@ class Layer(NamedTuple):
     w2: quant.Weight
 
     def matrices(self) -> tuple[quant.Weight, ...]:
-        return self.wqkv, self.wo, self.w13, self.w2
+        return tuple(getattr(self, role) for role in MATRICES)
 
     def packed(self, pack) -> "Layer":
-        return self._replace(wqkv=pack(self.wqkv), wo=pack(self.wo), w13=pack(self.w13), w2=pack(self.w2))
+        return self._replace(**{role: pack(getattr(self, role)) for role in MATRICES})
 
 
 @dataclass(frozen=True)
@@ -374,8 +375,8 @@ class LlamaRunner:
         for i, packed in enumerate(self.layers):
             layer = packed
             if weights_as is not None:
-                layer = packed._replace(**{role: as_plain(w, weights_as, self.scratch, role)
-                                           for role, w in zip(("wqkv", "wo", "w13", "w2"), packed.matrices())})
+                layer = packed._replace(**{role: as_plain(getattr(packed, role), weights_as, self.scratch, role)
+                                           for role in MATRICES})
             h = ops.rms_norm(x, layer.attn_norm, eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
             qkv = quant.linear(h, layer.wqkv)
             if layer.bqkv is not None:

@@ -465,12 +465,13 @@ CLONED __attribute__((optimize("fp-contract=off"))) void dequantize_features(
         for (int part = 0; part < 2; ++part) {
           const int64_t at = part ? at_high : at_low;
           const Vec level = part ? high : low;
+          const Vec product = level * load(scale + at);  // a statement of its own: no compiler fuses it
           if (bf16_out) {
-            const Vec value = bf16_round(bf16_round(level * load(scale + at)) + load(zero + at));
-            const HalfVec bits = __builtin_convertvector(bf16_bits(value) >> 16, HalfVec);
+            const UintVec value = bf16_bits(bf16_round(product) + load(zero + at));
+            const HalfVec bits = __builtin_convertvector(value >> 16, HalfVec);
             std::memcpy(static_cast<uint16_t*>(out) + kk * n + at, &bits, sizeof bits);
           } else {
-            const Vec value = level * load(scale + at) + load(zero + at);
+            const Vec value = product + load(zero + at);
             std::memcpy(static_cast<float*>(out) + kk * n + at, &value, sizeof value);
           }
         }
