@@ -20,10 +20,13 @@ def extensions() -> dict:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:
         return {}
-    # No -march=native: the wheel must run on any CPU of its architecture.
+    # No -march=native: the wheel must run on any CPU of its architecture. -fopenmp: ATen's parallel_for is
+    # a header template that runs its loop on one thread unless the including code is built with OpenMP
+    # (the library it then links is torch's own libgomp, loaded once under its soname).
+    options = {"extra_compile_args": ["-O3", "-fopenmp"], "extra_link_args": ["-fopenmp"], "optional": True}
     modules = [
-        CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp"], extra_compile_args=["-O3"], optional=True),
-        CppExtension("tornchat.weights._ggml", ["tornchat/weights/csrc/ggml.cpp"], extra_compile_args=["-O3"], optional=True),
+        CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp", "tornchat/engine/csrc/gemv.cpp"], **options),
+        CppExtension("tornchat.weights._ggml", ["tornchat/weights/csrc/ggml.cpp"], **options),
     ]
     return {"ext_modules": modules, "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}
 

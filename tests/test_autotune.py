@@ -24,26 +24,32 @@ def plain(model):
     return llama.from_transformers(model)
 
 
+def key(fmt: Format) -> tuple:
+    """How fake_machine's tables name a format: (quantize, inputs), with "vnni" added for gemv.cpp's kernels."""
+    return (fmt.quantize, fmt.inputs) + (("vnni",) if fmt.matmul == "vnni" else ())
+
+
 def fake_machine(monkeypatch, step_ms: dict, estimate_ms: dict | None = None, quality: dict | None = None,
-                 missing: tuple = ()):
-    """Timings and quality by (quantize, inputs); formats in missing raise as a kernel this CPU lacks."""
+                 missing: tuple = (), vnni: bool = False):
+    """Timings and quality by ``key``; formats in missing raise as a kernel this CPU lacks; ``vnni``: whether
+    the CPU runs csrc/gemv.cpp's kernels."""
     calls = {"matmuls": 0, "steps": 0, "quality": 0}
 
     def time_matmuls(fmt, base, bound=math.inf, memo=None):
         calls["matmuls"] += 1
-        if (fmt.quantize, fmt.inputs) in missing:
+        if key(fmt) in missing:
             raise RuntimeError("kernel not built for this CPU\nsecond line")
-        return (estimate_ms or step_ms)[fmt.quantize, fmt.inputs] / 1000
+        return (estimate_ms or step_ms)[key(fmt)] / 1000
 
     def time_steps(runner, ids):
         calls["steps"] += 1
-        fmt = getattr(runner, "format", Format("none"))
-        return step_ms[fmt.quantize, fmt.inputs] / 1000
+        return step_ms[key(getattr(runner, "format", Format("none")))] / 1000
 
     def check_quality(runner, ids, reference):
         calls["quality"] += 1
-        fmt = runner.format
-        return {"perplexity_rise": (quality or {}).get((fmt.quantize, fmt.inputs), 0.0), "agreement": 1.0, "positions": 9.0}
+        return {"perplexity_rise": (quality or {}).get(key(runner.format), 0.0), "agreement": 1.0, "positions": 9.0}
+
+    monkeypatch.setattr(quant, "vnni_runs", lambda: vnni)
 
     monkeypatch.setattr(autotune, "time_matmuls", time_matmuls)
     monkeypatch.setattr(autotune, "time_steps", time_steps)
@@ -69,6 +75,19 @@ def test_fastest_format_whose_quality_holds(tiny_model, tmp_path, monkeypatch):
     assert choice.step_ms == {"bf16 (bf16 inputs, fp32 cache, sdpa attention, prefill kernels)": 12.0,
                               "int8 (bf16 inputs, fp32 cache, sdpa attention, prefill kernels)": 9.0,
                               "int4 (bf16 inputs, fp32 cache, sdpa attention, prefill kernels)": 10.0}
+
+
+@pytest.mark.parametrize("lossy", [False, True])
+def test_vnni_kernels_are_candidates_the_quality_gate_may_refuse(tiny_model, tmp_path, monkeypatch, lossy):
+    """Where the CPU runs gemv.cpp's kernels, auto times int4 and int8 through them too; their int8
+    activations are kept only if the gate passes them, else PyTorch's kernels are."""
+    step_ms = {**AVX2_LIKE, ("int8", "bf16", "vnni"): 7.0, ("int4", "bf16", "vnni"): 6.0}
+    quality = {("int4", "bf16", "vnni"): 0.05, ("int8", "bf16", "vnni"): 0.05} if lossy else {}
+    fake_machine(monkeypatch, step_ms, quality=quality, vnni=True)
+    runner, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
+    expected = Format("int8", "bf16", "fp32") if lossy else Format("int4", "bf16", "fp32", matmul="vnni")
+    assert choice.format == expected and len(choice.estimate_ms) == 8
+    assert runner.layers[0].w13.vnni == (not lossy and quant.int4_layout() == quant.Int4Layout(64, True))
 
 
 def test_whole_steps_overrule_the_one_layer_estimate(tiny_model, tmp_path, monkeypatch):
@@ -346,8 +365,11 @@ def test_a_quantized_files_candidates_are_checked_against_its_own_blocks():
     ids = IDS[:12]
     reference = autotune.quality_reference(base, runners, steps, ids)
     assert torch.equal(reference, runners[formats[0]].score(ids, "decode"))  # as loaded, the faster inputs
-    del steps[formats[0]], steps[formats[1]]  # no as-loaded format timed: the fp32 forward
-    assert torch.equal(autotune.quality_reference(base, runners, steps, ids), base.score(ids, "exact"))
+    vnni = Format("packed", "bf16", matmul="vnni")  # int8 activations: never the reference
+    runners[vnni], steps[vnni] = vnni.runner(config, weights), 0.001
+    assert torch.equal(autotune.quality_reference(base, runners, steps, ids), reference)
+    del steps[formats[0]], steps[formats[1]]  # no as-loaded format timed with PyTorch's kernels: built for it
+    assert torch.equal(autotune.quality_reference(base, runners, steps, ids), reference)
     narrowed = autotune.check_quality(runners[formats[2]], ids, reference)
     assert narrowed["perplexity_rise"] != 0 and autotune.check_quality(runners[formats[0]], ids, reference)[
         "perplexity_rise"] == 0

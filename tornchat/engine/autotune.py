@@ -67,10 +67,13 @@ class Format:
     prefill: str = "kernels"  # bf16 | fp32: a chunk's matrices dequantized into it | kernels: the decode ones
     prefill_from: int = 1  # chunks of at least this many rows dequantize; shorter ones run the kernels
     attention: str = "sdpa"  # the C++ decode step's: own (fused.attend) | sdpa
+    matmul: str = "torch"  # int4 and int8 kernels: torch (PyTorch's) | vnni (csrc/gemv.cpp's, on int8 activations)
 
     def label(self) -> str:
         prefill = "kernels" if self.prefill == "kernels" else f"{self.prefill} from {self.prefill_from} rows"
-        return f"{self.quantize} ({self.inputs} inputs, {self.kv} cache, {self.attention} attention, prefill {prefill})"
+        kernels = ", vnni kernels" if self.matmul == "vnni" else ""
+        return (f"{self.quantize} ({self.inputs} inputs{kernels}, {self.kv} cache, {self.attention} attention, "
+                f"prefill {prefill})")
 
     def runner(self, config: LlamaConfig, weights: LlamaWeights, keep: bool = True,
                memo: dict | None = None) -> LlamaRunner:
@@ -83,6 +86,9 @@ class Format:
                                    weights.final_norm, head)
         else:
             weights = pack(weights, self.quantize, DTYPES[self.inputs], keep=keep)
+        if self.matmul == "vnni":
+            weights = LlamaWeights(weights.embed, [layer.packed(quant.on_vnni) for layer in weights.layers],
+                                   weights.final_norm, quant.on_vnni(weights.head))
         runner = LlamaRunner(config, weights, kv_dtype=DTYPES[self.kv], prefill_from=self.prefill_from,
                              prefill_dtype=None if self.prefill == "kernels" else DTYPES[self.prefill],
                              attention=self.attention)
@@ -95,6 +101,9 @@ class Format:
         ``memo`` keeps rounded matrices for the next format that rounds the same ones (a 1B file's int8
         matrices took 1.8 s to round, for each of two candidates)."""
         inputs = DTYPES[self.inputs]
+        if self.matmul == "vnni":
+            pack_layer, pack_head = replace(self, matmul="torch").packers(memo)
+            return (lambda w: quant.on_vnni(pack_layer(w))), (lambda w: quant.on_vnni(pack_head(w)))
         if not self.quantize.startswith("packed"):
             pack_layer, pack_head = packers(self.quantize, inputs)
             return pack_layer or (lambda w: w), pack_head or (lambda w: w)
@@ -126,26 +135,30 @@ class NoFormat(Exception):
     """No candidate runs on this CPU for the requested --quantize; the message is one line."""
 
 
-def candidates(requested: str, int4_fits: bool, int8_layers: bool = False, int8_head: bool = False) -> list[Format]:
+def candidates(requested: str, int4_fits: bool, int8_layers: bool = False, int8_head: bool = False,
+               vnni: bool = False) -> list[Format]:
     """Formats to time for --quantize requested (auto: all; packed: weights packed while loading), before the
     cache's dtype is picked. Packed weights holding int8 matrices (a GGUF's 5-, 6- and 8-bit blocks) may also
-    be rounded onto int4, fewer bytes a step, where the quality gate lets them."""
+    be rounded onto int4, fewer bytes a step, where the quality gate lets them. ``vnni``: the int4 and int8
+    formats also through csrc/gemv.cpp's kernels, whose int8 activations only a quality gate may allow."""
     if requested == "packed":
         found = [Format("packed", inputs="bf16"), Format("packed", inputs="fp32")]
         if int8_layers:
             found.append(Format("packed-int4", inputs="bf16"))
         if int8_head:
             found.append(Format("packed-int4-head", inputs="bf16"))
-        return found
-    modes = QUANTIZE if requested == "auto" else (requested,)
-    found = []
-    for mode in modes:
-        if mode == "none":
-            found.append(Format("none"))
-        elif mode == "bf16":
-            found.append(Format("bf16", inputs="bf16"))
-        elif mode == "int8" or int4_fits:
-            found += [Format(mode, inputs="bf16"), Format(mode, inputs="fp32")]
+    else:
+        found = []
+        for mode in QUANTIZE if requested == "auto" else (requested,):
+            if mode == "none":
+                found.append(Format("none"))
+            elif mode == "bf16":
+                found.append(Format("bf16", inputs="bf16"))
+            elif mode == "int8" or int4_fits:
+                found += [Format(mode, inputs="bf16"), Format(mode, inputs="fp32")]
+    if vnni:  # bf16 scales: the int4 kernel reads them as they are
+        found += [replace(fmt, matmul="vnni") for fmt in found
+                  if fmt.inputs == "bf16" and fmt.quantize not in ("none", "bf16")]
     return found
 
 
@@ -279,12 +292,15 @@ def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
 def quality_reference(base: LlamaRunner, runners: dict, steps: dict, ids: list[int]) -> torch.Tensor:
     """What candidates are checked against: the model's own weights (plain ones, ``base``); for weights packed
     while loading (a quantized GGUF's blocks), those blocks as they are, through the fastest of their timed
-    kernels: what auto checks is what it would change beyond the file (int8 blocks rounded onto int4), and
-    an fp32 forward of a 1B file took 3.9 s of a first start (the packed path against that fp32 reference is
-    bench/decode_speed.py's quality figure)."""
-    as_loaded = [fmt for fmt in steps if fmt.quantize == "packed"]
-    if not as_loaded:
+    PyTorch kernels (bf16 or fp32 activations): what auto checks is what it would change beyond the file (int8
+    blocks rounded onto int4, activations rounded to int8 for gemv.cpp's kernels), and an fp32 forward of a 1B
+    file took 3.9 s of a first start (the packed path against that fp32 reference is bench/decode_speed.py's
+    quality figure)."""
+    if not any(isinstance(m, quant.Int4Weight | quant.Int8Weight) for m in base.layers[0].matrices()):
         return base.score(ids, "exact")
+    as_loaded = [fmt for fmt in steps if fmt.quantize == "packed" and fmt.matmul == "torch"]  # activations as they are
+    if not as_loaded:
+        return Format("packed", inputs="bf16").runner(base.config, base.weights).score(ids, "decode")
     return runners[min(as_loaded, key=steps.get)].score(ids, "decode")
 
 
@@ -435,7 +451,10 @@ def measure(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_
     yield
     attention_ms.update({f"decode {name}, {'bf16' if bf16_cache else 'fp32'} cache": v for name, v in own_ms.items()})
     estimates, memo = {}, {}
-    for fmt in candidates(requested, int4_fits, int8_layers, isinstance(base.head, quant.Int8Weight)):
+    gated = requested == "auto" if gate is None else gate
+    found = candidates(requested, int4_fits, int8_layers, isinstance(base.head, quant.Int8Weight),
+                       vnni=gated and quant.vnni_runs())
+    for fmt in found:
         if fmt.quantize != "none":  # none stays the model's own weights throughout: the reference
             fmt = replace(fmt, kv="bf16" if bf16_cache else "fp32", attention="own" if own_attention else "sdpa")
         try:
@@ -475,7 +494,7 @@ def measure(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_
         runner.prefill_dtype = None if prefill == "kernels" else DTYPES[prefill]
         runner.prefill_from, runner.format = prefill_from, fmt
         quality = {}
-        if (requested == "auto" if gate is None else gate) and fmt != Format("none"):
+        if gated and fmt != Format("none"):
             if reference is None:
                 reference = quality_reference(base, runners, steps, quality_ids)
                 yield

@@ -129,9 +129,9 @@ def _linear(w: quant.Weight) -> tuple[int, torch.Tensor, torch.Tensor, int] | No
     if isinstance(w, torch.Tensor):
         return 0, w, _EMPTY, 0
     if isinstance(w, quant.Int4Weight):
-        return 1, w.packed, w.scales_and_zeros, w.group_size
+        return 3 if w.vnni else 1, w.packed, w.scales_and_zeros, w.group_size
     if isinstance(w, quant.Int8Weight):
-        return 2, w.values, w.scales, 0
+        return 4 if w.vnni else 2, w.values, w.scales, 0
     return None
 
 

@@ -205,7 +205,8 @@ def weights_label(weights: LlamaWeights) -> str:
             return str(w.dtype).removeprefix("torch.")
         if isinstance(w, quant.CudaInt4Weight):
             return f"int4 (tinygemm, group {w.group_size})"
-        return {quant.Int4Weight: "int4", quant.Int8Weight: "int8", quant.Bf16Weight: "bf16 (oneDNN)"}[type(w)]
+        kind = {quant.Int4Weight: "int4", quant.Int8Weight: "int8", quant.Bf16Weight: "bf16 (oneDNN)"}[type(w)]
+        return kind + (" (vnni)" if getattr(w, "vnni", False) else "")
     counts = Counter(name(m) for layer in weights.layers for m in layer.matrices())
     return ", ".join(f"{k} x {v}" for k, v in counts.most_common()) + f"; head {name(weights.head)}"
 

@@ -11,6 +11,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "gemv.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -328,14 +330,17 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   return out;
 }
 
-// A projection as the decode step reads it: plain weights (F.linear), packed int4 or per-row int8.
+// A projection as the decode step reads it: plain weights (F.linear), packed int4 or per-row int8, through
+// PyTorch's kernels or, on int8 activations, gemv.cpp's (VNNI_INT4, VNNI_INT8: fed fp32, they quantize it).
 struct Linear {
-  enum Kind : int64_t { PLAIN = 0, INT4 = 1, INT8 = 2 };
+  enum Kind : int64_t { PLAIN = 0, INT4 = 1, INT8 = 2, VNNI_INT4 = 3, VNNI_INT8 = 4 };
   int64_t kind;
   at::Tensor a, b;  // plain: weight, -; int4: packed, scales_and_zeros; int8: values, scales
   int64_t group_size;
 
-  at::ScalarType input() const { return kind == PLAIN ? a.scalar_type() : b.scalar_type(); }
+  at::ScalarType input() const {
+    return kind == PLAIN ? a.scalar_type() : kind >= VNNI_INT4 ? at::kFloat : b.scalar_type();
+  }
 
   // Every kind gives each row of x the bits it gives that row alone, so a verify step over n rows computes
   // what n one-row steps would: the int4 and int8 kernels reduce each row the same way whatever the row
@@ -344,6 +349,8 @@ struct Linear {
     const auto in = x.to(input());
     if (kind == INT4) return at::_weight_int4pack_mm_for_cpu(in, a, group_size, b);
     if (kind == INT8) return at::_weight_int8pack_mm(in, a, b);
+    if (kind == VNNI_INT4) return tornchat::vnni_int4_mm(in, a, b);
+    if (kind == VNNI_INT8) return tornchat::vnni_int8_mm(in, a, b);
     if (in.size(0) == 1) return at::linear(in, a);
     std::vector<at::Tensor> rows;
     for (int64_t r = 0; r < in.size(0); ++r) rows.push_back(at::linear(in.narrow(0, r, 1), a));
@@ -517,6 +524,11 @@ PYBIND11_MODULE(_fused, m) {
   m.def("dequantize_int4", &dequantize_int4, "packed int4 weights to fp32 or bf16 values, as a [K, N] tensor's transposed view",
         pybind11::arg("packed"), pybind11::arg("scales_and_zeros"), pybind11::arg("group"), pybind11::arg("block_rows"),
         pybind11::arg("halves"), pybind11::arg("bf16_out"), pybind11::arg("into") = std::nullopt,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("vnni_supported", &tornchat::vnni_supported, "whether this CPU runs vnni_int4_mm and vnni_int8_mm");
+  m.def("vnni_int4_mm", &tornchat::vnni_int4_mm, "x times packed int4 weights on int8 activations (gemv.cpp)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("vnni_int8_mm", &tornchat::vnni_int8_mm, "x times per-row int8 weights on int8 activations (gemv.cpp)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<DecodeStep>(m, "DecodeStep")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t, double, double,
