@@ -19,3 +19,13 @@ def exact(runner: llama.LlamaRunner) -> llama.LlamaRunner:
         final_norm=weights.final_norm, head=quant.dequantize(weights.head, torch.float32),
     )
     return llama.LlamaRunner(runner.config, plain)
+
+
+def decode_nll(runner: llama.LlamaRunner, ids: list[int]) -> float:
+    """Negative log-likelihood of ids[1:], every token fed through one-token decode steps: the weights a
+    decode step reads (a perplexity comparison between formats)."""
+    cache, nll = runner.new_cache(), 0.0
+    for position, token in enumerate(ids[:-1]):
+        logits = runner.forward([token], cache, decode=True)
+        nll -= float(torch.log_softmax(logits, dim=-1)[ids[position + 1]])
+    return nll

@@ -6,7 +6,7 @@ PyTorch's kernels, which the rest of the suite covers, and the kernel tests here
 import pytest
 import torch
 
-from runners import exact, lean
+from runners import decode_nll, exact, lean
 from tornchat.engine import autotune, llama, quant
 
 needs_vnni = pytest.mark.skipif(not quant.vnni_runs(), reason="this CPU lacks AVX-512 VNNI/VBMI (or no C++ build)")
@@ -133,10 +133,4 @@ def test_real_model_keeps_its_greedy_choices_and_perplexity(smol):
     # Measured 57/60, the 3 misses all where fp32's first two choices were within 0.5 (PyTorch's kernels: 59/60).
     assert agree / total >= 0.9 and decided_misses == 0
     ids = smol.tokenizer(open(__file__).read()[:2000])["input_ids"][:160]
-    nll = {}
-    for name, model in (("fp32", smol_lean), ("vnni", runner)):
-        cache, nll[name] = model.new_cache(), 0.0
-        for position, token in enumerate(ids[:-1]):
-            logits = model.forward([token], cache, decode=True)
-            nll[name] -= float(torch.log_softmax(logits, dim=-1)[ids[position + 1]])
-    assert abs(nll["vnni"] / nll["fp32"] - 1) < 0.01  # measured +0.22%
+    assert abs(decode_nll(runner, ids) / decode_nll(smol_lean, ids) - 1) < 0.01  # measured +0.22%

@@ -18,7 +18,7 @@ from tornchat.engine.slots import SlotPool
 from tornchat.engine.types import GenerationRequest, SamplingParams
 from tornchat.engine.worker import Engine
 
-from runners import exact, lean
+from runners import decode_nll, exact, lean
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [
@@ -305,13 +305,7 @@ def test_int4_greedy_and_perplexity_track_fp32(smol, smol_lean):
 
     # Perplexity through the decode path, the weights a decode step reads.
     ids = smol.tokenizer(open(__file__).read()[:2000])["input_ids"][:160]
-    nll = {}
-    for name, runner in (("fp32", smol_lean), ("int4", int4)):
-        cache, nll[name] = runner.new_cache(), 0.0
-        for position, token in enumerate(ids[:-1]):
-            logits = runner.forward([token], cache, decode=True)
-            nll[name] -= float(torch.log_softmax(logits, dim=-1)[ids[position + 1]])
-    assert abs(nll["int4"] / nll["fp32"] - 1) < 0.01  # measured -0.35% in perplexity on 256 tokens
+    assert abs(decode_nll(int4, ids) / decode_nll(smol_lean, ids) - 1) < 0.01  # measured -0.35% in perplexity on 256 tokens
 
 
 @pytest.mark.parametrize("mode,inputs", [("int4", torch.bfloat16), ("int4", torch.float32), ("int8", torch.bfloat16),
