@@ -27,6 +27,7 @@ def extensions() -> dict:
     modules = [
         CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp", "tornchat/engine/csrc/gemv.cpp"], **options),
         CppExtension("tornchat.weights._ggml", ["tornchat/weights/csrc/ggml.cpp"], **options),
+        CppExtension("tornchat.engine._prefill", ["tornchat/engine/csrc/prefill.cpp"], **options),
     ]
     return {"ext_modules": modules, "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}
 

@@ -56,7 +56,7 @@ def fake_machine(monkeypatch, step_ms: dict, estimate_ms: dict | None = None, qu
     monkeypatch.setattr(autotune, "check_quality", check_quality)
     monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (False, {}))
     monkeypatch.setattr(autotune, "own_attention_pays", lambda base, dtype: (False, {}))
-    monkeypatch.setattr(autotune, "prefill_policy", lambda runner: ("kernels", 1, {}))
+    monkeypatch.setattr(autotune, "prefill_policy", lambda runner, int8=True: ("kernels", 1, {}))
     return calls
 
 
@@ -136,7 +136,7 @@ def test_the_bf16_cache_goes_with_the_packed_formats_where_it_pays(tiny_model, t
 
 def test_the_prefill_policy_goes_with_the_kept_format(tiny_model, tmp_path, monkeypatch):
     fake_machine(monkeypatch, AVX2_LIKE)
-    monkeypatch.setattr(autotune, "prefill_policy", lambda runner: ("bf16", 128, {}))
+    monkeypatch.setattr(autotune, "prefill_policy", lambda runner, int8=True: ("bf16", 128, {}))
     runner, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
     assert choice.format == Format("int8", "bf16", "fp32", "bf16", 128)
     assert (runner.prefill_dtype, runner.prefill_from) == (torch.bfloat16, 128)
@@ -146,13 +146,18 @@ def test_the_prefill_policy_goes_with_the_kept_format(tiny_model, tmp_path, monk
 
 
 def fake_prefill_timings(monkeypatch, table: dict):
-    """_seconds from table[rows, path], path being kernels, bf16 or fp32 as the timed call's matmul shows."""
+    """autotune._seconds from table[rows, path], path being kernels, bf16, fp32 or int8 as the timed matmul shows."""
     runs = []
     real_linear = quant.linear
 
     def linear(x, w):
-        path = "kernels" if not isinstance(w, torch.Tensor) else {torch.bfloat16: "bf16", torch.float32: "fp32"}[w.dtype]
+        if isinstance(w, quant.DynamicInt8Weight):
+            path = "int8"
+        else:
+            path = "kernels" if not isinstance(w, torch.Tensor) else {torch.bfloat16: "bf16", torch.float32: "fp32"}[w.dtype]
         runs.append((x.shape[0], path))
+        if (x.shape[0], path) not in table:
+            raise RuntimeError("not built here")
         return real_linear(x, w)
 
     def timed(fn, repeats, calls, limit=math.inf):
@@ -187,7 +192,7 @@ def test_no_dequantized_prefill_where_bf16_matmuls_do_not_run(tiny_model, monkey
         return real_linear(x, w)
 
     monkeypatch.setattr(quant, "linear", refuse_bf16)
-    dtype, _, ms = autotune.prefill_policy(runner)
+    dtype, _, ms = autotune.prefill_policy(runner, int8=False)  # the float paths alone
     assert dtype in ("fp32", "kernels") and "bf16 512" not in ms
 
 
@@ -325,14 +330,15 @@ def test_candidates_that_round_the_same_matrices_share_them(monkeypatch):
 
 def test_quality_scores_one_path_where_prefill_runs_the_decode_kernels(tiny_model):
     own = llama.LlamaRunner(*plain(tiny_model)).score(IDS, "exact")
-    for prefill, prefill_from, modes in (("kernels", 1, ["decode"]), ("fp32", len(IDS) + 1, ["decode"]),
+    # A prefill path is scored even where the text is shorter than prefill_from: a chunk that long takes it.
+    for prefill, prefill_from, modes in (("kernels", 1, ["decode"]), ("fp32", len(IDS) + 1, ["prefill", "decode"]),
                                          ("fp32", 8, ["prefill", "decode"])):
         runner = Format("int8", "bf16", prefill=prefill, prefill_from=prefill_from).runner(*plain(tiny_model))
         scored = []
         real_score = runner.score
         runner.score = lambda ids, mode, real=real_score: scored.append(mode) or real(ids, mode)
         assert autotune.passes(autotune.check_quality(runner, IDS, own))
-        assert scored == modes
+        assert scored == modes and runner.prefill_from == prefill_from
 
 
 @pytest.mark.parametrize("own_faster", [True, False])

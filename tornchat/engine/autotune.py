@@ -12,8 +12,9 @@ fixed chat. Weights packed while loading (a quantized GGUF's blocks as int4
 and int8 by block type, or a checkpoint packed layer by layer) already are
 a format (``packed``): for them the kernels' input dtype is timed. Then the
 prefill of the kept format: from which chunk length its matrices are
-dequantized, layer by layer, into bf16 or fp32 for the chunk's matmuls
-rather than run through the decode kernels. The decision (never the packed
+dequantized, layer by layer, into bf16 or fp32 for the chunk's matmuls, or
+multiplied in int8 on the chunk's rows quantized to int8 (where the quality
+gate checks it), rather than run through the decode kernels. The decision (never the packed
 weights, whose layout depends on the instruction set) is cached, keyed by
 CPU, checkpoint, torch version and thread count, so later starts skip the
 timing.
@@ -37,6 +38,9 @@ from tornchat.engine.llama import (QUANTIZE, LlamaConfig, LlamaRunner, LlamaWeig
 log = logging.getLogger("tornchat.engine")
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# A chunk's matrices dequantized into bf16 or fp32, or multiplied in int8 on its rows quantized to int8
+# (quant.DynamicInt8Weight).
+PREFILL_DTYPES = {**DTYPES, "int8": torch.int8}
 MAX_PERPLEXITY_RISE = 0.02  # bf16 inputs alone moved it +0.9% on the embedded model (int4 layers, lossless there)
 MIN_AGREEMENT = 0.95  # of greedy choices, where the model's own weights are not near a tie
 NEAR_TIE = 0.5  # logits closer than this between the first and second choice are a tie
@@ -64,8 +68,10 @@ class Format:
     quantize: str  # none | bf16 | int8 | int4 (llama.QUANTIZE) | file: a quantized GGUF's own blocks
     inputs: str = "fp32"  # what the int4 and int8 kernels are fed: bf16 | fp32
     kv: str = "fp32"  # the KV cache's dtype: bf16 | fp32
-    prefill: str = "kernels"  # bf16 | fp32: a chunk's matrices dequantized into it | kernels: the decode ones
-    prefill_from: int = 1  # chunks of at least this many rows dequantize; shorter ones run the kernels
+    # bf16 | fp32: a chunk's matrices dequantized into it | int8: products in int8, the chunk's rows and the
+    # weights quantized to it (quant.DynamicInt8Weight) | kernels: the decode ones
+    prefill: str = "kernels"
+    prefill_from: int = 1  # chunks of at least this many rows take the prefill path; shorter ones run the kernels
     attention: str = "sdpa"  # the C++ decode step's: own (fused.attend) | sdpa
     matmul: str = "torch"  # int4 and int8 kernels: torch (PyTorch's) | vnni (csrc/gemv.cpp's, on int8 activations)
 
@@ -90,7 +96,7 @@ class Format:
             weights = LlamaWeights(weights.embed, [layer.packed(quant.on_vnni) for layer in weights.layers],
                                    weights.final_norm, quant.on_vnni(weights.head))
         runner = LlamaRunner(config, weights, kv_dtype=DTYPES[self.kv], prefill_from=self.prefill_from,
-                             prefill_dtype=None if self.prefill == "kernels" else DTYPES[self.prefill],
+                             prefill_dtype=None if self.prefill == "kernels" else PREFILL_DTYPES[self.prefill],
                              attention=self.attention)
         runner.format = self
         return runner
@@ -242,11 +248,13 @@ def bf16_cache_pays(base: LlamaRunner) -> tuple[bool, dict[str, float]]:
     return ms["decode bf16"] < ms["decode fp32"] and ms["prefill bf16"] <= 1.05 * ms["prefill fp32"], ms
 
 
-def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
-    """(prefill dtype, from how many rows) for runner's weights: one layer's matrices timed on PREFILL_LADDER
-    rows through the decode kernels and dequantized into bf16 or fp32 (bf16 must win by PREFILL_MARGIN: 4.3-4.7x
-    faster than fp32 with AVX-512 BF16, slower where bf16 is emulated). Dequantizing wins on long chunks, the
-    kernels on short ones; the shortest length from which dequantizing keeps winning is kept."""
+def prefill_policy(runner: LlamaRunner, int8: bool = True) -> tuple[str, int, dict[str, float]]:
+    """(prefill path, from how many rows) for runner's weights: one layer's matrices timed on PREFILL_LADDER
+    rows through the decode kernels, dequantized into bf16 or fp32 (bf16 must win by PREFILL_MARGIN: 4.3-4.7x
+    faster than fp32 with AVX-512 BF16, slower where bf16 is emulated) and, where ``int8`` (its rounding of the
+    activations only a quality gate may allow), multiplied in int8 (it must beat the better of those by
+    PREFILL_MARGIN: ~2x faster than bf16 on a 1B model's layer with AVX-512 VNNI). Dequantizing wins on long
+    chunks, the kernels on short ones; the shortest length from which the kept path keeps winning is kept."""
     matrices = runner.layers[0].matrices()
     ms: dict[str, float] = {}
     scratch: dict = {}  # as a prefill reuses its buffers (LlamaRunner.scratch)
@@ -277,12 +285,19 @@ def prefill_policy(runner: LlamaRunner) -> tuple[str, int, dict[str, float]]:
         except RuntimeError as exc:  # no bf16 matmul in this CPU's build
             log.info("%s prefill matmuls do not run here: %s", name, str(exc).splitlines()[0])
     best = "bf16" if "bf16" in dtypes and dtypes["bf16"] * PREFILL_MARGIN < dtypes["fp32"] else "fp32"
+    if int8 and all(quant.dynamic_int8(m, torch.empty(0, dtype=torch.uint8)) is not None for m in matrices):
+        try:  # int8 only has to lose to the float path by PREFILL_MARGIN to be out
+            ms[f"int8 {longest}"] = dtypes["int8"] = timed(longest, torch.int8, dtypes[best] / PREFILL_MARGIN)
+            if dtypes["int8"] * PREFILL_MARGIN < dtypes[best]:
+                best = "int8"
+        except RuntimeError as exc:  # an int8 product this CPU's build lacks
+            log.info("int8 prefill matmuls do not run here: %s", str(exc).splitlines()[0])
     if dtypes[best] >= ms[f"kernels {longest}"]:
         return "kernels", 1, ms
     start = longest
     for rows in PREFILL_LADDER[1:]:
         ms[f"kernels {rows}"] = timed(rows, None)
-        ms[f"{best} {rows}"] = timed(rows, DTYPES[best], limit=ms[f"kernels {rows}"])
+        ms[f"{best} {rows}"] = timed(rows, PREFILL_DTYPES[best], limit=ms[f"kernels {rows}"])
         if ms[f"{best} {rows}"] >= ms[f"kernels {rows}"]:
             break
         start = rows
@@ -307,19 +322,29 @@ def quality_reference(base: LlamaRunner, runners: dict, steps: dict, ids: list[i
 def check_quality(runner: LlamaRunner, ids: list[int], own: torch.Tensor) -> dict[str, float]:
     """runner's prefill and decode paths against the model's own logits on ids (``reference``): the worse
     perplexity rise of the two, and the worse agreement of greedy choices at the positions where the model's
-    own logits are not near a tie (random-weight models have few). Where a chunk of ids runs the decode
-    kernels (no dequantized prefill at that length), both paths are one computation, scored once."""
+    own logits are not near a tie (random-weight models have few). The prefill path is scored as a chunk of
+    prefill_from rows or more computes it, whatever the length of ids (the quality text is ~130 tokens, a
+    prefill_from 256 or more); without one (prefill on the decode kernels) both paths are one computation,
+    scored once."""
     targets = torch.tensor(ids[1:], device=own.device)
     top2 = own.topk(2, dim=-1).values
     decided = (top2[:, 0] - top2[:, 1]) >= NEAR_TIE
     rises, agreements = [], []
-    dequantizes = runner.prefill_dtype is not None and len(ids) >= runner.prefill_from
-    for mode in ("prefill", "decode") if dequantizes else ("decode",):
-        logits = runner.score(ids, mode)
+    for mode in ("prefill", "decode") if runner.prefill_dtype is not None else ("decode",):
+        logits = prefill_scores(runner, ids) if mode == "prefill" else runner.score(ids, mode)
         rises.append(math.exp(float(F.cross_entropy(logits[:-1], targets) - F.cross_entropy(own[:-1], targets))) - 1)
         same = logits.argmax(-1) == own.argmax(-1)
         agreements.append(float(same[decided].float().mean()) if decided.any() else 1.0)
     return {"perplexity_rise": max(rises), "agreement": min(agreements), "positions": float(decided.sum())}
+
+
+def prefill_scores(runner: LlamaRunner, ids: list[int]) -> torch.Tensor:
+    """runner.score(ids, "prefill") through the prefill path however few ids there are."""
+    prefill_from, runner.prefill_from = runner.prefill_from, 1
+    try:
+        return runner.score(ids, "prefill")
+    finally:
+        runner.prefill_from = prefill_from
 
 
 def passes(quality: dict[str, float]) -> bool:
@@ -484,21 +509,26 @@ def measure(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_
         runner = runners.get(fmt) or build(fmt)
         if policy is None or not fmt.quantize.startswith("packed"):
             # Packed candidates differ in a few matrices' kernels only: the first one's policy serves them all
-            # (timing it takes seconds on 1B-class layers).
-            policy = prefill_policy(runner)
+            # (timing it takes seconds on 1B-class layers). int8 products round the activations: they are a
+            # candidate only where the quality gate checks them.
+            policy = prefill_policy(runner, int8=gated)
             log.info("prefill of %s, ms for one layer's matmuls by rows: %s", fmt.label(),
                      {k: round(v, 3) for k, v in policy[2].items()})
             yield
-        prefill, prefill_from, _ = policy
-        fmt = replace(fmt, prefill=prefill, prefill_from=prefill_from)
-        runner.prefill_dtype = None if prefill == "kernels" else DTYPES[prefill]
-        runner.prefill_from, runner.format = prefill_from, fmt
-        quality = {}
-        if gated and fmt != Format("none"):
-            if reference is None:
-                reference = quality_reference(base, runners, steps, quality_ids)
+        while True:
+            fmt = with_prefill(runner, fmt, policy)
+            quality = {}
+            if gated and fmt != Format("none"):
+                if reference is None:
+                    reference = quality_reference(base, runners, steps, quality_ids)
+                    yield
+                quality = check_quality(runner, quality_ids, reference)
                 yield
-            quality = check_quality(runner, quality_ids, reference)
+            if fmt.prefill != "int8" or passes(quality):
+                break
+            # The int8 activations may be what failed: the format gets its float prefill and the gate again.
+            log.info("int8 prefill of %s rejected: %s", fmt.label(), quality)
+            policy = prefill_policy(runner, int8=False)
             yield
         if quality and not passes(quality):
             log.info("decode weights %s rejected: %s", fmt.label(), quality)
@@ -509,6 +539,14 @@ def measure(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_
                                    "quality": quality, "for": depends_on(requested, checkpoint)})
         return runner, choice
     raise NoFormat(f"--quantize {requested}: no format keeps the model's quality on this CPU ({cpu.model_name()})")
+
+
+def with_prefill(runner: LlamaRunner, fmt: Format, policy: tuple[str, int, dict]) -> Format:
+    """fmt with prefill_policy's (path, from rows), set on runner as well."""
+    prefill, prefill_from, _ = policy
+    runner.prefill_dtype = None if prefill == "kernels" else PREFILL_DTYPES[prefill]
+    runner.prefill_from, runner.format = prefill_from, replace(fmt, prefill=prefill, prefill_from=prefill_from)
+    return runner.format
 
 
 def choose_on_gpu(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_ids: list[int]) -> LlamaRunner:

@@ -12,6 +12,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "gemv.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -21,15 +22,6 @@
 #include <vector>
 
 namespace {
-
-using c10::BFloat16;
-
-inline float to_float(float v) { return v; }
-inline float to_float(BFloat16 v) { return static_cast<float>(v); }
-
-void check_cpu_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
-}
 
 template <typename Out>
 void rms_norm_rows(const float* x, const float* w, Out* out, int64_t rows, int64_t hidden, float eps) {
@@ -142,39 +134,9 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // each row's scores, softmax and weighted sum depend only on its query and the positions 0 .. start + r it
 // sees, in a fixed order. A speculative verify's rows then equal one-token steps, and a step pays no
 // dispatch for a library kernel (PyTorch's SDPA took ~50 us a layer for one row on the embedded model).
-//
-// Built without -march (the wheel must run on any x86-64), the loops are cloned for AVX-512, AVX2 and
-// baseline (target_clones, chosen at load time); GCC's vector extensions spell out 16-lane vectors, so the
-// lanes and every reduction's order are the same in each clone.
-#ifndef CLONED  // a build may set it (-DCLONED=) to compile the loops for its own -march only
-#if defined(__x86_64__) && defined(__linux__)
-#define CLONED __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define CLONED  // elsewhere (ARM, macOS) the compiler's default target
-#endif
-#endif
-typedef float Vec __attribute__((vector_size(64)));  // 16 floats
-typedef int32_t IntVec __attribute__((vector_size(64)));
-typedef uint32_t UintVec __attribute__((vector_size(64)));
-typedef uint16_t HalfVec __attribute__((vector_size(32)));
+// The loops are cloned per instruction set (vec.h).
 typedef float Vec8 __attribute__((vector_size(32)));
 typedef float Vec4 __attribute__((vector_size(16)));
-constexpr int64_t LANES = 16;
-
-inline __attribute__((always_inline)) Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline __attribute__((always_inline)) Vec load(const BFloat16* p) {  // bf16 is the top half of an fp32
-  HalfVec halves;
-  std::memcpy(&halves, p, sizeof halves);
-  const UintVec bits = __builtin_convertvector(halves, UintVec) << 16;
-  Vec v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
 
 inline __attribute__((always_inline)) float sum(Vec v) {  // a fixed tree
   const Vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
