@@ -426,3 +426,11 @@ def test_a_later_start_serves_the_loaded_blocks_while_the_kept_format_is_built(t
     runner, choice = done.value.value
     assert choice.cached and runner.format == Format("packed-int4", inputs="fp32")
     assert isinstance(runner.layers[0].w2, quant.Int4Weight) and isinstance(served.layers[0].w2, quant.Int8Weight)
+
+
+def test_decisions_made_before_new_candidates_are_measured_again(tiny_model, tmp_path, monkeypatch):
+    fake_machine(monkeypatch, AVX2_LIKE)
+    autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
+    assert autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")[1].cached
+    monkeypatch.setattr(autotune, "CANDIDATES", autotune.CANDIDATES + 1)  # a version that times more formats
+    assert not autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")[1].cached

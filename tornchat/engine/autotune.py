@@ -45,6 +45,9 @@ MAX_PERPLEXITY_RISE = 0.02  # bf16 inputs alone moved it +0.9% on the embedded m
 MIN_AGREEMENT = 0.95  # of greedy choices, where the model's own weights are not near a tie
 NEAR_TIE = 0.5  # logits closer than this between the first and second choice are a tie
 MAX_DECISIONS = 32  # kept in the cache file, the most recent
+# Raised when the formats timed change, so that decisions made without the new ones are measured again
+# (2: the vnni kernels and int8 prefill).
+CANDIDATES = 2
 ATTENTION_POSITIONS = 1024  # context at which the cache's dtype is timed
 PREFILL_ROWS = 512  # the engine's prefill chunk (model.PREFILL_CHUNK)
 PREFILL_MARGIN = 1.2  # bf16 prefill weights must be this much faster to be worth their rounding
@@ -352,9 +355,11 @@ def passes(quality: dict[str, float]) -> bool:
 
 
 def depends_on(requested: str, checkpoint: str) -> dict:
-    """What the decision depends on: CPU, checkpoint, torch, threads and the requested mode."""
+    """What the decision depends on: CPU, checkpoint, torch, threads, the requested mode, and which candidates
+    this version of tornchat times (``CANDIDATES``)."""
     return {"cpu": cpu.model_name(), "flags": sorted(cpu.flags()), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "checkpoint": checkpoint, "requested": requested}
+            "threads": torch.get_num_threads(), "checkpoint": checkpoint, "requested": requested,
+            "candidates": CANDIDATES}
 
 
 def cache_key(requested: str, checkpoint: str) -> str:
