@@ -268,6 +268,24 @@ def test_check_quality_measures_the_decode_and_prefill_paths(tiny_model):
         assert quality["perplexity_rise"] > 0.02 and not autotune.passes(quality)
 
 
+def test_agreement_counts_only_where_the_model_decides(tiny_model):
+    """A greedy choice changed where the model's own first choice is sure (NEAR_TIE above the next, holding
+    DECIDED of the probability) fails the gate; changed among flat logits, however wide the first two's gap
+    (a random-weight model's), it is not counted."""
+    runner = llama.LlamaRunner(*plain(tiny_model))
+    vocab = runner.score(IDS, "exact").shape[-1]
+    rows = torch.arange(len(IDS))
+    for first, counted in ((2 * autotune.NEAR_TIE, False), (20.0, True)):
+        reference = torch.zeros(len(IDS), vocab)
+        reference[rows, 7] = first  # 2 * NEAR_TIE above the rest: a tie by probability only (vocab > 8)
+        swapped = torch.zeros(len(IDS), vocab)
+        swapped[rows, 9] = first
+        runner.score = lambda ids, mode, swapped=swapped: swapped
+        quality = autotune.check_quality(runner, IDS, reference)
+        assert quality["agreement"] == (0.0 if counted else 1.0)
+        assert quality["positions"] == (len(IDS) if counted else 0)
+
+
 def test_a_quantized_ggufs_blocks_are_a_format_whose_inputs_are_timed(tmp_path, monkeypatch):
     """autotune's "packed" format: a GGUF's blocks as loaded, fed bf16 or fp32 inputs; no repacking."""
     from tornchat import checkpoint

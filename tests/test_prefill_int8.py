@@ -236,3 +236,37 @@ def test_a_failing_int8_prefill_falls_back_to_the_float_one(tiny_model, tmp_path
     policies.clear()
     autotune.choose(*llama.from_transformers(tiny_model), "int4", list(range(100, 160)), tmp_path / "e.json", "ckpt")
     assert policies == [False]  # no quality gate, no int8 activations
+
+
+def test_a_format_that_fails_the_gate_leaves_int8_prefill_to_the_next(tmp_path, monkeypatch):
+    """int8 prefill is judged on the format it runs with: the fastest of a GGUF's packed formats failing on its
+    own (with int8 prefill and with float) does not take int8 from the next, which shares its prefill timing."""
+    from tornchat import checkpoint
+    from tornchat.weights import gguf_file
+
+    checked, policies = [], []
+
+    def check_quality(runner, ids, reference):
+        checked.append((runner.format.quantize, runner.format.prefill))
+        lossy = runner.format.quantize == "packed-int4-head"
+        return {"perplexity_rise": 0.09 if lossy else 0.0, "agreement": 1.0, "positions": 9.0}
+
+    def prefill_policy(runner, int8=True):
+        policies.append(int8)
+        return ("int8", 128, {}) if int8 else ("bf16", 256, {})
+
+    speed = {("packed-int4-head", "bf16"): 1, ("packed", "bf16"): 2, ("packed", "fp32"): 3}
+    monkeypatch.setattr(quant, "vnni_runs", lambda: False)
+    monkeypatch.setattr(autotune, "prefill_policy", prefill_policy)
+    monkeypatch.setattr(autotune, "check_quality", check_quality)
+    monkeypatch.setattr(autotune, "quality_reference", lambda base, runners, steps, ids: None)
+    monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (False, {}))
+    monkeypatch.setattr(autotune, "own_attention_pays", lambda base, dtype: (False, {}))
+    monkeypatch.setattr(autotune, "time_steps", lambda runner, ids: speed[runner.format.quantize, runner.format.inputs])
+    monkeypatch.setattr(autotune, "time_matmuls",
+                        lambda fmt, base, bound=math.inf, memo=None: speed[fmt.quantize, fmt.inputs])
+    runner, choice = autotune.choose(*gguf_file.load(checkpoint.default_gguf_path()), "packed", list(range(100, 160)),
+                                     tmp_path / "d.json", "ckpt", gate=True)
+    assert checked == [("packed-int4-head", "int8"), ("packed-int4-head", "bf16"), ("packed", "int8")]
+    assert policies == [True, False]  # the float policy timed once, for the format that failed
+    assert (choice.format.quantize, choice.format.prefill) == ("packed", "int8") and runner.prefill_dtype == torch.int8

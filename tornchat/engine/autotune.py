@@ -44,6 +44,10 @@ PREFILL_DTYPES = {**DTYPES, "int8": torch.int8}
 MAX_PERPLEXITY_RISE = 0.02  # bf16 inputs alone moved it +0.9% on the embedded model (int4 layers, lossless there)
 MIN_AGREEMENT = 0.95  # of greedy choices, where the model's own weights are not near a tie
 NEAR_TIE = 0.5  # logits closer than this between the first and second choice are a tie
+# ... and a first choice holding less of the probability than this is no decision either: a random-weight
+# model's flat logits (its first choices held at most 0.003 at 1B-3B) still have ties wider than NEAR_TIE,
+# and agreement counted there was a coin toss (3B: 0.86 or 1.0 for one format by the reference's cache dtype).
+DECIDED = 0.25
 MAX_DECISIONS = 32  # kept in the cache file, the most recent
 # Raised when the formats timed change, so that decisions made without the new ones are measured again
 # (2: the vnni kernels and int8 prefill).
@@ -325,13 +329,15 @@ def quality_reference(base: LlamaRunner, runners: dict, steps: dict, ids: list[i
 def check_quality(runner: LlamaRunner, ids: list[int], own: torch.Tensor) -> dict[str, float]:
     """runner's prefill and decode paths against the model's own logits on ids (``reference``): the worse
     perplexity rise of the two, and the worse agreement of greedy choices at the positions where the model's
-    own logits are not near a tie (random-weight models have few). The prefill path is scored as a chunk of
+    own logits decide (not near a tie, and the first choice holds DECIDED of the probability: random-weight
+    models have none, and perplexity alone judges them). The prefill path is scored as a chunk of
     prefill_from rows or more computes it, whatever the length of ids (the quality text is ~130 tokens, a
     prefill_from 256 or more); without one (prefill on the decode kernels) both paths are one computation,
     scored once."""
     targets = torch.tensor(ids[1:], device=own.device)
     top2 = own.topk(2, dim=-1).values
-    decided = (top2[:, 0] - top2[:, 1]) >= NEAR_TIE
+    first = own.float().softmax(-1).amax(-1)
+    decided = ((top2[:, 0] - top2[:, 1]) >= NEAR_TIE) & (first >= DECIDED)
     rises, agreements = [], []
     for mode in ("prefill", "decode") if runner.prefill_dtype is not None else ("decode",):
         logits = prefill_scores(runner, ids) if mode == "prefill" else runner.score(ids, mode)
@@ -509,32 +515,35 @@ def measure(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_
     log.info("decode step, ms: %s; estimates from one layer's matmuls, ms: %s; attention at %d positions, ms per "
              "layer: %s", step_ms, estimate_ms, ATTENTION_POSITIONS, {k: round(v, 3) for k, v in attention_ms.items()})
     ranked = sorted(steps, key=steps.get) + sorted(set(estimates) - set(steps), key=estimates.get)
-    reference = policy = None
+    reference = policy = float_policy = None
     for fmt in ranked:
         runner = runners.get(fmt) or build(fmt)
         if policy is None or not fmt.quantize.startswith("packed"):
             # Packed candidates differ in a few matrices' kernels only: the first one's policy serves them all
             # (timing it takes seconds on 1B-class layers). int8 products round the activations: they are a
             # candidate only where the quality gate checks them.
-            policy = prefill_policy(runner, int8=gated)
+            policy, float_policy = prefill_policy(runner, int8=gated), None
             log.info("prefill of %s, ms for one layer's matmuls by rows: %s", fmt.label(),
                      {k: round(v, 3) for k, v in policy[2].items()})
             yield
-        while True:
-            fmt = with_prefill(runner, fmt, policy)
-            quality = {}
-            if gated and fmt != Format("none"):
-                if reference is None:
-                    reference = quality_reference(base, runners, steps, quality_ids)
+        fmt = with_prefill(runner, fmt, policy)
+        quality = {}
+        if gated and fmt != Format("none"):
+            if reference is None:
+                reference = quality_reference(base, runners, steps, quality_ids)
+                yield
+            quality = check_quality(runner, quality_ids, reference)
+            yield
+            if fmt.prefill == "int8" and not passes(quality):
+                # The int8 activations may be what failed: this format gets its float prefill and the gate
+                # again; the next one is still offered int8 (its weights may round less).
+                log.info("int8 prefill of %s rejected: %s", fmt.label(), quality)
+                if float_policy is None:
+                    float_policy = prefill_policy(runner, int8=False)
                     yield
+                fmt = with_prefill(runner, fmt, float_policy)
                 quality = check_quality(runner, quality_ids, reference)
                 yield
-            if fmt.prefill != "int8" or passes(quality):
-                break
-            # The int8 activations may be what failed: the format gets its float prefill and the gate again.
-            log.info("int8 prefill of %s rejected: %s", fmt.label(), quality)
-            policy = prefill_policy(runner, int8=False)
-            yield
         if quality and not passes(quality):
             log.info("decode weights %s rejected: %s", fmt.label(), quality)
             continue
