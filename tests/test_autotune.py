@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from tornchat.engine import autotune, cpu, llama, quant
+from tornchat.engine import autotune, chunk_attention, cpu, llama, quant
 from tornchat.engine.autotune import Format
 from tornchat.weights import gguf_file
 
@@ -56,6 +56,7 @@ def fake_machine(monkeypatch, step_ms: dict, estimate_ms: dict | None = None, qu
     monkeypatch.setattr(autotune, "check_quality", check_quality)
     monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (False, {}))
     monkeypatch.setattr(autotune, "own_attention_pays", lambda base, dtype: (False, {}))
+    monkeypatch.setattr(autotune, "chunk_attention_pays", lambda base: (False, {}))
     monkeypatch.setattr(autotune, "prefill_policy", lambda runner, int8=True: ("kernels", 1, {}))
     return calls
 
@@ -132,6 +133,11 @@ def test_the_bf16_cache_goes_with_the_packed_formats_where_it_pays(tiny_model, t
     monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (True, {}))
     runner, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "d.json", "ckpt")
     assert choice.format == Format("int8", "bf16", "bf16") and runner.new_cache().kv.dtype == torch.bfloat16
+    # ... and with it the chunk attention autotune timed faster
+    monkeypatch.setattr(autotune, "chunk_attention_pays", lambda base: (True, {}))
+    runner, choice = autotune.choose(*plain(tiny_model), "auto", IDS, tmp_path / "e.json", "ckpt")
+    assert choice.format == Format("int8", "bf16", "bf16", chunk_attention="products")
+    assert runner.chunk_attention == ("products" if chunk_attention.runs(torch.bfloat16, runner.device) else "sdpa")
 
 
 def test_the_prefill_policy_goes_with_the_kept_format(tiny_model, tmp_path, monkeypatch):

@@ -31,9 +31,9 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from tornchat.engine import cpu, fused, quant
-from tornchat.engine.llama import (QUANTIZE, LlamaConfig, LlamaRunner, LlamaWeights, as_plain, pack, packers,
-                                   shared_embedding)
+from tornchat.engine import chunk_attention, cpu, fused, quant
+from tornchat.engine.llama import (QUANTIZE, LlamaConfig, LlamaRunner, LlamaWeights, as_plain, causal_mask, pack,
+                                   packers, sdpa_attend, shared_embedding)
 
 log = logging.getLogger("tornchat.engine")
 
@@ -49,9 +49,9 @@ NEAR_TIE = 0.5  # logits closer than this between the first and second choice ar
 # and agreement counted there was a coin toss (3B: 0.86 or 1.0 for one format by the reference's cache dtype).
 DECIDED = 0.25
 MAX_DECISIONS = 32  # kept in the cache file, the most recent
-# Raised when the formats timed change, so that decisions made without the new ones are measured again
-# (2: the vnni kernels and int8 prefill).
-CANDIDATES = 2
+# Raised when the formats timed or how they are judged change, so that earlier decisions are measured again
+# (2: the vnni kernels and int8 prefill; 3: agreement only where the model decides, int8 per format).
+CANDIDATES = 3
 ATTENTION_POSITIONS = 1024  # context at which the cache's dtype is timed
 PREFILL_ROWS = 512  # the engine's prefill chunk (model.PREFILL_CHUNK)
 PREFILL_MARGIN = 1.2  # bf16 prefill weights must be this much faster to be worth their rounding
@@ -81,11 +81,13 @@ class Format:
     prefill_from: int = 1  # chunks of at least this many rows take the prefill path; shorter ones run the kernels
     attention: str = "sdpa"  # the C++ decode step's: own (fused.attend) | sdpa
     matmul: str = "torch"  # int4 and int8 kernels: torch (PyTorch's) | vnni (csrc/gemv.cpp's, on int8 activations)
+    chunk_attention: str = "sdpa"  # a chunk's, over a bf16 cache: sdpa | products (chunk_attention.attend)
 
     def label(self) -> str:
         prefill = "kernels" if self.prefill == "kernels" else f"{self.prefill} from {self.prefill_from} rows"
         kernels = ", vnni kernels" if self.matmul == "vnni" else ""
-        return (f"{self.quantize} ({self.inputs} inputs{kernels}, {self.kv} cache, {self.attention} attention, "
+        chunks = ", products chunk attention" if self.chunk_attention == "products" else ""
+        return (f"{self.quantize} ({self.inputs} inputs{kernels}, {self.kv} cache, {self.attention} attention{chunks}, "
                 f"prefill {prefill})")
 
     def runner(self, config: LlamaConfig, weights: LlamaWeights, keep: bool = True,
@@ -104,7 +106,7 @@ class Format:
                                    weights.final_norm, quant.on_vnni(weights.head))
         runner = LlamaRunner(config, weights, kv_dtype=DTYPES[self.kv], prefill_from=self.prefill_from,
                              prefill_dtype=None if self.prefill == "kernels" else PREFILL_DTYPES[self.prefill],
-                             attention=self.attention)
+                             attention=self.attention, chunk_attention=self.chunk_attention)
         runner.format = self
         return runner
 
@@ -245,6 +247,20 @@ def own_attention_pays(base: LlamaRunner, dtype: torch.dtype) -> tuple[bool, dic
 
     ms = {"own": 1000 * _seconds(every_layer, repeats=3, calls=2) / layers, "sdpa": 1000 * time_attention(base, dtype, 1)}
     return ms["own"] < ms["sdpa"], ms
+
+
+def chunk_attention_pays(base: LlamaRunner) -> tuple[bool, dict[str, float]]:
+    """Whether ``chunk_attention.attend`` beats SDPA on a PREFILL_ROWS-row chunk ending at ATTENTION_POSITIONS
+    over a bf16 cache (one layer's: a chunk is bound by arithmetic, not by the cache's bytes)."""
+    if not chunk_attention.runs(torch.bfloat16, base.device):
+        return False, {}
+    rows, start = PREFILL_ROWS, ATTENTION_POSITIONS - PREFILL_ROWS
+    keys, values = torch.randn(2, ATTENTION_POSITIONS, base.kv_heads, base.head_dim).to(torch.bfloat16)
+    q = torch.randn(rows, base.heads, base.head_dim).to(torch.bfloat16)
+    mask = causal_mask(start, rows, base.heads // base.kv_heads, base.device)
+    ms = {"products": 1000 * _seconds(lambda: chunk_attention.attend(q, keys, values, start, base.scale), 3, 1),
+          "sdpa": 1000 * _seconds(lambda: sdpa_attend(q, keys, values, start, base.scale, mask), 3, 1)}
+    return ms["products"] < ms["sdpa"], ms
 
 
 def bf16_cache_pays(base: LlamaRunner) -> tuple[bool, dict[str, float]]:
@@ -486,13 +502,17 @@ def measure(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_
     own_attention, own_ms = own_attention_pays(base, torch.bfloat16 if bf16_cache else torch.float32)
     yield
     attention_ms.update({f"decode {name}, {'bf16' if bf16_cache else 'fp32'} cache": v for name, v in own_ms.items()})
+    products, chunk_ms = chunk_attention_pays(base) if bf16_cache else (False, {})
+    attention_ms.update({f"chunk of {PREFILL_ROWS} {name}": v for name, v in chunk_ms.items()})
+    yield
     estimates, memo = {}, {}
     gated = requested == "auto" if gate is None else gate
     found = candidates(requested, int4_fits, int8_layers, isinstance(base.head, quant.Int8Weight),
                        vnni=gated and quant.vnni_runs())
     for fmt in found:
         if fmt.quantize != "none":  # none stays the model's own weights throughout: the reference
-            fmt = replace(fmt, kv="bf16" if bf16_cache else "fp32", attention="own" if own_attention else "sdpa")
+            fmt = replace(fmt, kv="bf16" if bf16_cache else "fp32", attention="own" if own_attention else "sdpa",
+                          chunk_attention="products" if products else "sdpa")
         try:
             estimates[fmt] = time_matmuls(fmt, base, FINALIST_MARGIN * min(estimates.values(), default=math.inf), memo)
         except RuntimeError as exc:  # a kernel this CPU's build lacks

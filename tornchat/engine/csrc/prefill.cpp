@@ -558,6 +558,75 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& values, const at::
                         });
 }
 
+
+// A prefill chunk's attention scores, one KV head's rows (chunk_attention.py): [rows, end] bf16, row i at
+// position start + (row0 + i) % n of the chunk (rows are (group, position)), seeing columns 0 .. that position.
+// Visible columns of row i, and the largest among them.
+inline int64_t visible(int64_t i, int64_t row0, int64_t start, int64_t n) { return start + (row0 + i) % n + 1; }
+
+CLONED float largest_visible(const BFloat16* row, int64_t seen) {
+  Vec top = Vec{} - INFINITY;
+  int64_t j = 0;
+  for (; j + LANES <= seen; j += LANES) {
+    const Vec v = load(row + j);
+    top = v > top ? v : top;
+  }
+  float m = -INFINITY;
+  for (int64_t l = 0; l < LANES; ++l) m = std::max(m, top[l]);
+  for (; j < seen; ++j) m = std::max(m, static_cast<float>(row[j]));
+  return m;
+}
+
+// Each row's largest visible score, rounded to bf16 [rows, 1]: the shift chunk_attention subtracts inside its
+// second product.
+at::Tensor causal_row_max(const at::Tensor& scores, int64_t start, int64_t n, int64_t row0) {
+  RECORD_FUNCTION("tornchat::causal_row_max", std::vector<c10::IValue>());
+  check_cpu_contiguous(scores, "scores");
+  TORCH_CHECK(scores.scalar_type() == at::kBFloat16 && scores.dim() == 2 && scores.size(1) >= start + n,
+              "scores must be bf16 [rows, at least start + n]");
+  const int64_t rows = scores.size(0), end = scores.size(1);
+  auto out = at::empty({rows, 1}, scores.options());
+  const BFloat16* s = scores.data_ptr<BFloat16>();
+  BFloat16* o = out.data_ptr<BFloat16>();
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) o[i] = BFloat16(largest_visible(s + i * end, visible(i, row0, start, n)));
+  });
+  return out;
+}
+
+// Softmax of each row's visible scores in place: exp(score - largest) / their sum in fp32, rounded to bf16; the
+// columns a row does not see become 0.
+CLONED void softmax_row(BFloat16* row, float* e, int64_t seen, int64_t end) {
+  const float top = largest_visible(row, seen);
+  const Vec top_v = Vec{} + top;
+  Vec total = Vec{};
+  int64_t j = 0;
+  for (; j + LANES <= seen; j += LANES) {
+    const Vec v = exp_nonpositive(load(row + j) - top_v);
+    store(e + j, v);
+    total += v;
+  }
+  float sum_e = sum(total);
+  for (; j < seen; ++j) sum_e += e[j] = std::exp(static_cast<float>(row[j]) - top);
+  const Vec inverse = Vec{} + 1.0f / sum_e;
+  for (j = 0; j + LANES <= seen; j += LANES) store(row + j, load(e + j) * inverse);
+  for (; j < seen; ++j) row[j] = BFloat16(e[j] * inverse[0]);
+  for (j = seen; j < end; ++j) row[j] = BFloat16(0.0f);
+}
+
+void causal_softmax_(at::Tensor scores, int64_t start, int64_t n, int64_t row0) {
+  RECORD_FUNCTION("tornchat::causal_softmax_", std::vector<c10::IValue>());
+  check_cpu_contiguous(scores, "scores");
+  TORCH_CHECK(scores.scalar_type() == at::kBFloat16 && scores.dim() == 2 && scores.size(1) >= start + n,
+              "scores must be bf16 [rows, at least start + n]");
+  const int64_t rows = scores.size(0), end = scores.size(1);
+  BFloat16* s = scores.data_ptr<BFloat16>();
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    std::vector<float> e(end);
+    for (int64_t i = first; i < last; ++i) softmax_row(s + i * end, e.data(), visible(i, row0, start, n), end);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_prefill, m) {
@@ -569,4 +638,6 @@ PYBIND11_MODULE(_prefill, m) {
   m.def("int4_to_int8", &int4_to_int8, "packed int4 weights to int8 [K, N] with one scale per row", nogil);
   m.def("int4_linear", &int4_linear, "x times packed int4 weights, both quantized to int8", nogil);
   m.def("int8_linear", &int8_linear, "x quantized to int8 times int8 weights", nogil);
+  m.def("causal_row_max", &causal_row_max, "each row's largest score it sees, in bf16", nogil);
+  m.def("causal_softmax_", &causal_softmax_, "softmax of each row's scores it sees, the rest 0, in place", nogil);
 }

@@ -1,5 +1,5 @@
-// What fused.cpp and prefill.cpp share: 16-lane vectors in GCC's vector extensions, their loads, and how the
-// loops over them are compiled.
+// What fused.cpp and prefill.cpp share: 16-lane vectors in GCC's vector extensions, their loads, a sum and an
+// exp over them, and how the loops over them are compiled.
 //
 // Built without -march (the wheel must run on any x86-64), the loops are cloned for AVX-512, AVX2 and
 // baseline (target_clones, chosen at load time); the vectors spell out 16 lanes, so the lanes and every
@@ -45,6 +45,38 @@ inline __attribute__((always_inline)) Vec load(const BFloat16* p) {  // bf16 is 
   Vec v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+}
+
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec4 __attribute__((vector_size(16)));
+
+inline __attribute__((always_inline)) float sum(Vec v) {  // a fixed tree
+  const Vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): 2^(x log2 e) as an integer power, set in the exponent
+// bits, times a degree-6 polynomial in the fraction (least-squares fit of 2^f on [0, 1], relative error
+// within fp32 rounding).
+inline __attribute__((always_inline)) Vec exp_nonpositive(Vec x) {
+  const Vec floor_x = x > -87.0f ? x : Vec{} - 87.0f;
+  const Vec t = floor_x * 1.44269504089f;
+  IntVec whole = __builtin_convertvector(t, IntVec);  // toward zero
+  whole += (__builtin_convertvector(whole, Vec) > t);  // -1 where that rounded up: floor
+  const Vec f = t - __builtin_convertvector(whole, Vec);
+  Vec p = Vec{} + 2.1683431e-4f;
+  p = p * f + 1.2437946e-3f;
+  p = p * f + 9.6799853e-3f;
+  p = p * f + 5.5482150e-2f;
+  p = p * f + 2.4023031e-1f;
+  p = p * f + 6.9314691e-1f;
+  p = p * f + 1.0f;
+  const IntVec bits = (whole + 127) << 23;
+  Vec power;
+  std::memcpy(&power, &bits, sizeof power);
+  return p * power;
 }
 
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {
