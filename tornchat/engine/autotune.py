@@ -50,7 +50,8 @@ NEAR_TIE = 0.5  # logits closer than this between the first and second choice ar
 DECIDED = 0.25
 MAX_DECISIONS = 32  # kept in the cache file, the most recent
 # Raised when the formats timed or how they are judged change, so that earlier decisions are measured again
-# (2: the vnni kernels and int8 prefill; 3: agreement only where the model decides, int8 per format).
+# (2: the vnni kernels and int8 prefill; 3: agreement only where the model decides, int8 per format, and the
+# chunk attention by products).
 CANDIDATES = 3
 ATTENTION_POSITIONS = 1024  # context at which the cache's dtype is timed
 PREFILL_ROWS = 512  # the engine's prefill chunk (model.PREFILL_CHUNK)
