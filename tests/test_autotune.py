@@ -203,8 +203,8 @@ def test_no_dequantized_prefill_where_bf16_matmuls_do_not_run(tiny_model, monkey
 
 
 @pytest.mark.parametrize("decode, prefill, pays", [((1, 2), (10, 10), True), ((2, 1), (10, 10), False),
-                                                   ((1, 2), (20, 10), False)])
-def test_a_bf16_cache_must_win_decode_and_lose_nothing_on_prefill(tiny_model, monkeypatch, decode, prefill, pays):
+                                                   ((1, 2), (20, 10), False), ((2.04, 2), (10.4, 10), True)])
+def test_a_bf16_cache_is_kept_unless_it_costs_decode_or_prefill(tiny_model, monkeypatch, decode, prefill, pays):
     table = {(torch.bfloat16, 1): decode[0], (torch.float32, 1): decode[1],
              (torch.bfloat16, 64): prefill[0], (torch.float32, 64): prefill[1]}
     monkeypatch.setattr(autotune, "time_attention", lambda base, dtype, rows: table[dtype, rows])
@@ -319,7 +319,15 @@ def test_a_candidate_is_timed_only_until_it_is_ruled_out(tiny_model):
         calls.append(1)
         time.sleep(0.02)
 
-    assert autotune._seconds(slow, limit=0.005) >= 0.02 and len(calls) == 1  # the warm-up call says enough
+    assert autotune._seconds(slow, limit=0.005) >= 0.02 and len(calls) == 2  # two calls over the limit say enough
+    calls.clear()
+    durations = iter([0.03] + [0.0] * 20)  # a first call's one-time costs alone do not rule fn out
+
+    def first_slow():
+        calls.append(1)
+        time.sleep(next(durations))
+
+    assert autotune._seconds(first_slow, repeats=2, calls=1, limit=0.01) < 0.01 and len(calls) == 5
     calls.clear()
     autotune._seconds(slow, repeats=2, calls=1, limit=1.0)
     assert len(calls) == 4  # warm-up, a batch, two repeats
