@@ -34,7 +34,8 @@ from tornchat.engine.cpu import describe
 from tornchat.engine.model import PREFILL_CHUNK
 from tornchat.weights import gguf_file
 
-MATMULS = ("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm")
+MATMULS = ("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
+           "tornchat::vnni_int4_mm", "tornchat::vnni_int8_mm")
 ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math", "tornchat::attend")
 
 PROMPTS = [

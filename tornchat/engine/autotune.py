@@ -42,7 +42,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # (quant.DynamicInt8Weight).
 PREFILL_DTYPES = {**DTYPES, "int8": torch.int8}
 MAX_PERPLEXITY_RISE = 0.02  # bf16 inputs alone moved it +0.9% on the embedded model (int4 layers, lossless there)
-MIN_AGREEMENT = 0.95  # of greedy choices, where the model's own weights are not near a tie
+MIN_AGREEMENT = 0.95  # of greedy choices, where the model's own weights decide (NEAR_TIE, DECIDED)
 NEAR_TIE = 0.5  # logits closer than this between the first and second choice are a tie
 # ... and a first choice holding less of the probability than this is no decision either: a random-weight
 # model's flat logits (its first choices held at most 0.003 at 1B-3B) still have ties wider than NEAR_TIE,
@@ -498,7 +498,8 @@ def measure(config: LlamaConfig, weights: LlamaWeights, requested: str, quality_
     Two rounds of timing: each candidate's matmuls for one layer (cheap, but
     the weights sit in the CPU's cache), then whole decode steps of the
     candidates within FINALIST_MARGIN of the best, packed for real. The
-    cache's dtype is timed on its own and goes with every packed format; the
+    cache's dtype, the decode step's attention and, over a bf16 cache, a
+    chunk's attention are timed on their own and go with every packed format; the
     prefill policy is timed for the format kept. An explicit mode still has
     its kernels' input dtype, the cache's dtype and the prefill timed, and
     no quality check (the user asked for it). The quality reference is the
