@@ -558,7 +558,6 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& values, const at::
                         });
 }
 
-
 // A prefill chunk's attention scores, one KV head's rows (chunk_attention.py): [rows, end] bf16, row i at
 // position start + (row0 + i) % n of the chunk (rows are (group, position)), seeing columns 0 .. that position.
 // Visible columns of row i, and the largest among them.
