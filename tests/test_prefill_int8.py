@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from runners import exact, lean
-from test_autotune import fake_prefill_timings
+from test_autotune import fake_machine, fake_prefill_timings
 from tornchat.engine import autotune, llama, quant
 from tornchat.engine.autotune import Format
 
@@ -255,16 +255,10 @@ def test_a_format_that_fails_the_gate_leaves_int8_prefill_to_the_next(tmp_path, 
         policies.append(int8)
         return ("int8", 128, {}) if int8 else ("bf16", 256, {})
 
-    speed = {("packed-int4-head", "bf16"): 1, ("packed", "bf16"): 2, ("packed", "fp32"): 3}
-    monkeypatch.setattr(quant, "vnni_runs", lambda: False)
+    fake_machine(monkeypatch, {("packed-int4-head", "bf16"): 1.0, ("packed", "bf16"): 2.0, ("packed", "fp32"): 3.0})
     monkeypatch.setattr(autotune, "prefill_policy", prefill_policy)
     monkeypatch.setattr(autotune, "check_quality", check_quality)
     monkeypatch.setattr(autotune, "quality_reference", lambda base, runners, steps, ids: None)
-    monkeypatch.setattr(autotune, "bf16_cache_pays", lambda base: (False, {}))
-    monkeypatch.setattr(autotune, "own_attention_pays", lambda base, dtype: (False, {}))
-    monkeypatch.setattr(autotune, "time_steps", lambda runner, ids: speed[runner.format.quantize, runner.format.inputs])
-    monkeypatch.setattr(autotune, "time_matmuls",
-                        lambda fmt, base, bound=math.inf, memo=None: speed[fmt.quantize, fmt.inputs])
     runner, choice = autotune.choose(*gguf_file.load(checkpoint.default_gguf_path()), "packed", list(range(100, 160)),
                                      tmp_path / "d.json", "ckpt", gate=True)
     assert checked == [("packed-int4-head", "int8"), ("packed-int4-head", "bf16"), ("packed", "int8")]
