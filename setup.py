@@ -25,9 +25,8 @@ def extensions() -> dict:
     # (the library it then links is torch's own libgomp, loaded once under its soname).
     options = {"extra_compile_args": ["-O3", "-fopenmp"], "extra_link_args": ["-fopenmp"], "optional": True}
     modules = [
-        CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp", "tornchat/engine/csrc/gemv.cpp"], **options),
+        CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp", "tornchat/engine/csrc/blocks.cpp"], **options),
         CppExtension("tornchat.weights._ggml", ["tornchat/weights/csrc/ggml.cpp"], **options),
-        CppExtension("tornchat.engine._prefill", ["tornchat/engine/csrc/prefill.cpp"], **options),
     ]
     return {"ext_modules": modules, "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}
 

@@ -1,7 +1,7 @@
 """CPU probes: what benchmark tables and the start-up log name, on CPUs other than this one too."""
 import torch
 
-from tornchat.engine import cpu, quant
+from tornchat.engine import cpu
 
 ZEN3 = {"model name": "AMD EPYC 7B13", "flags": "fpu sse2 avx avx2 fma f16c bmi2"}
 SAPPHIRE_RAPIDS = {"model name": "Intel(R) Xeon(R) Platinum 8481C",
@@ -32,12 +32,3 @@ def test_this_machine(capsys):
     present = [flag for flag in cpu.NOTABLE_FLAGS if flag in cpu.flags()]
     assert line.startswith(cpu.model_name()) and all(f" {flag}" in line for flag in present)
     assert f"ATen capability {torch.backends.cpu.get_cpu_capability()}" in line
-
-
-def test_packs_bf16_is_what_onednn_really_does():
-    weight = torch.randn(64, 64)
-    packed = quant.to_bf16(weight)
-    assert isinstance(packed, quant.Bf16Weight) == cpu.packs_bf16()
-    x = torch.randn(2, 64)
-    torch.testing.assert_close(quant.linear(x, packed).float(), x.bfloat16().float() @ weight.bfloat16().float().T,
-                               atol=2e-2, rtol=2e-2)

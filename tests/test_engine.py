@@ -1,17 +1,12 @@
 """The decode engine: greedy parity with transformers, KV reuse, stops, limits, seeds, cancel."""
-import queue
 import threading
-import time
 
 import pytest
 import torch
 
 from tornchat import prompt
 from tornchat.engine import GenerationRequest, PromptTooLong, QueueFull, SamplingParams
-from tornchat.engine import llama
-from tornchat.engine.model import HFRunner
 from tornchat.engine.slots import SlotPool
-from tornchat.engine.worker import Engine
 
 from conftest import make_engine
 
@@ -308,42 +303,5 @@ def test_resent_text_that_tokenizes_differently_still_reuses_the_slot(tiny_model
         _, last = run(engine, resent, max_tokens=1)
         assert engine.stats.last_reused_tokens == len(as_generated)  # not just up to the newline
         assert last.usage.prompt_tokens == len(resent) - 1  # the same text, in the slot's ids
-    finally:
-        engine.close()
-
-
-def test_a_first_start_serves_between_measurement_slices_then_switches_runner(tiny_model, tokenizer):
-    """Engine's ``tuning``: slices run while no request waits; a waiting request goes before the next slice;
-    when the slices end, the runner they return serves, with empty slots."""
-    provisional = HFRunner(tiny_model)
-    measured = llama.LlamaRunner(*llama.from_transformers(tiny_model))
-    submitted, slices = threading.Event(), []
-
-    def measuring():
-        submitted.wait(30)  # the first slice is under way when the request arrives
-        slices.append(0)
-        yield
-        slices.append(1)
-        yield
-        return measured, None
-
-    engine = Engine(provisional, tokenizer, frozenset(), SlotPool(provisional, 4, 1 << 30), tuning=measuring())
-    try:
-        events = queue.SimpleQueue()
-        # Each event with the slices run by then (read on the worker thread, which runs both).
-        engine.submit(GenerationRequest(list(range(100, 120)), GREEDY, max_tokens=4),
-                      lambda event: events.put((event, list(slices))))
-        submitted.set()
-        while not (got := events.get(timeout=30))[0].is_last:
-            pass
-        event, slices_by_then = got
-        assert event.usage.completion_tokens == 4 and slices_by_then == [0]  # served before the second slice
-        deadline = time.monotonic() + 30
-        while engine.tuning is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert slices == [0, 1] and engine.runner is measured and engine.slots.runner is measured
-        assert engine.slots.slots == []  # the provisional runner's caches are gone
-        text, last = run(engine, list(range(100, 120)), max_tokens=4)
-        assert last.usage.completion_tokens == 4 and last.usage.cached_tokens == 0
     finally:
         engine.close()

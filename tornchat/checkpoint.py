@@ -34,7 +34,7 @@ class Loaded:
     source: str  # the directory or GGUF file the weights were read from
     model: torch.nn.Module | None = None  # transformers' modules (HF directories, converted GGUFs)
     lean: tuple | None = None  # (llama.LlamaConfig, llama.LlamaWeights) read by tornchat.weights
-    quantized: bool = False  # lean weights packed while loading (autotune's "packed" format)
+    packed: bool = False  # lean weights in the CPU kernels' blocks already (a GGUF's own, or packed while read)
     generation_config: object = None  # transformers' GenerationConfig where the checkpoint has one
 
 
@@ -139,17 +139,16 @@ def gguf_tokenizer(gguf: Path):
     return tokenizer
 
 
-def load_gguf(file, device: str, dtype: torch.dtype, dequantize: bool) -> Loaded:
-    """A Llama-family GGUF (its header read: ``gguf_file.GGUFFile``) through our loader: on the CPU with its
-    quantized blocks packed for the kernels (unless ``dequantize``: fp32, for --quantize modes that pack
-    from plain weights), elsewhere dequantized into dtype on the device."""
+def load_gguf(file, device: str, dtype: torch.dtype, in_blocks: bool) -> Loaded:
+    """A Llama-family GGUF (its header read: ``gguf_file.GGUFFile``) through our loader: on the CPU its blocks
+    used in place (``in_blocks``) or decoded to fp32 for --quantize modes that pack from float values,
+    elsewhere decoded into dtype on the device."""
     from tornchat.weights import gguf_file
 
     started = time.perf_counter()
     gguf, on_cpu = file.path, device == "cpu"
     try:
-        quantized = on_cpu and not dequantize and gguf_file.is_quantized(file)
-        config, weights = gguf_file.load(file, plain=None if quantized else (dtype if not on_cpu else torch.float32))
+        config, weights = gguf_file.load(file, plain=None if on_cpu and in_blocks else (torch.float32 if on_cpu else dtype))
     except gguf_file.UnsupportedFile as exc:
         raise CheckpointError(str(exc)) from None
     except (RuntimeError, ValueError, TypeError) as exc:  # tensors whose shapes do not fit the metadata
@@ -158,7 +157,7 @@ def load_gguf(file, device: str, dtype: torch.dtype, dequantize: bool) -> Loaded
         weights = gguf_file.to_device(weights, device)
     tokenizer = gguf_tokenizer(gguf)
     log.info("loaded %s in %.1f s", gguf.name, time.perf_counter() - started)
-    return Loaded(tokenizer=tokenizer, source=str(gguf), lean=(config, weights), quantized=quantized)
+    return Loaded(tokenizer=tokenizer, source=str(gguf), lean=(config, weights), packed=on_cpu and in_blocks)
 
 
 def load(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32, model_impl: str = "hf",
@@ -166,9 +165,9 @@ def load(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float
     """Load model and tokenizer; every failure is a CheckpointError with one line.
 
     Unless ``model_impl`` is hf (transformers' modules): a GGUF of the Llama
-    family loads into the lean forward's weights, its quantized blocks kept
-    packed where ``quantize`` is auto; a Llama-family Hugging Face directory
-    with ``quantize`` int4 or int8 is packed layer by layer as it is read.
+    family loads into the lean forward's weights, its blocks used as they are
+    where ``quantize`` is auto; a Llama-family Hugging Face directory with
+    ``quantize`` int4 or int8 is packed layer by layer as it is read.
     """
     from tornchat.weights import gguf_file
 
@@ -179,7 +178,7 @@ def load(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float
         except gguf_file.UnsupportedFile as exc:
             raise CheckpointError(str(exc)) from None
         if file.arch in gguf_file.ARCHITECTURES or model_impl == "lean":
-            return load_gguf(file, device, dtype, dequantize=quantize != "auto")
+            return load_gguf(file, device, dtype, in_blocks=quantize == "auto")
         log.info("%s is a %r model, which the lean forward does not run: converting it for transformers", source.name, file.arch)
     if model_impl != "hf" and device == "cpu" and quantize in ("int4", "int8") and source.is_dir():
         packed = load_packing(source, quantize)
@@ -206,8 +205,7 @@ def load_packing(directory: Path, quantize: str) -> Loaded | None:
     started = time.perf_counter()
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        pack_layer, pack_head = llama.packers(quantize, torch.bfloat16)
-        config, weights = safetensors_dir.load(directory, hf_config, pack_layer, pack_head)
+        config, weights = safetensors_dir.load(directory, hf_config, quantize)
     except Exception as exc:
         raise CheckpointError(f"cannot load checkpoint {directory}: {first_line(exc)}") from None
     try:
@@ -215,7 +213,7 @@ def load_packing(directory: Path, quantize: str) -> Loaded | None:
     except OSError:  # no generation_config.json
         generation = None
     log.info("loaded %s packed to %s in %.1f s", hf_config.model_type, quantize, time.perf_counter() - started)
-    return Loaded(tokenizer=tokenizer, source=str(directory), lean=(config, weights), quantized=True,
+    return Loaded(tokenizer=tokenizer, source=str(directory), lean=(config, weights), packed=True,
                   generation_config=generation)
 
 

@@ -28,8 +28,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-impl", choices=config_module.CHOICES["model_impl"],
                    help="forward: lean for Llama/Qwen2/Mistral, transformers' modules otherwise (default auto)")
     p.add_argument("--quantize", choices=config_module.CHOICES["quantize"],
-                   help="weights decode steps read (lean forward, CPU): int4, int8 or bf16 weight-only, or none; "
-                        "auto: the fastest whose quality holds, timed on this machine at first start (default auto)")
+                   help="the weights' blocks (lean forward): auto keeps a GGUF's own and float weights as they are; "
+                        "int4 (Q4_1), int8 (Q8_0), bf16 or none (F32) quantize into those at load (default auto)")
     p.add_argument("--speculate", choices=config_module.CHOICES["speculate"],
                    help="lookup: draft tokens from the conversation (and a request's prediction) and verify them in "
                         "one forward, same text; auto: on where this machine's verify cost makes it pay; none: "

@@ -15,7 +15,7 @@ class Config:
     dtype: str = "float32"  # float32 | bfloat16 | float16
     threads: int = 0  # torch intra-op threads; 0: one per core
     model_impl: str = "auto"  # auto (lean for Llama/Qwen2/Mistral, else hf) | hf | lean
-    quantize: str = "auto"  # auto (the fastest format whose quality holds, timed on this machine) | none | bf16 | int8 | int4
+    quantize: str = "auto"  # auto (a GGUF's own blocks, float weights as they are) | none | bf16 | int8 | int4
     speculate: str = "auto"  # auto (on where a measured verify makes drafts pay) | lookup | none
     kv_slots: int = 4  # conversations whose KV cache is kept between calls
     kv_memory_mb: int = 2048  # bound on all slots together

@@ -1,9 +1,8 @@
-"""What this CPU is and what PyTorch's CPU kernels can do on it.
+"""What this CPU is, for logs, benchmark tables and the measurements cache's key.
 
 The machines tornchat runs on differ (AVX2 only, AVX-512, AVX-512 BF16,
-AMX, ARM), so nothing here guesses from one flag: features a kernel needs
-are probed by running that kernel once. Tests replace these functions to
-exercise the choices a different CPU would make.
+AMX, ARM); the kernels pick their instruction-set path by CPUID themselves
+(csrc/blocks.cpp), so this only names the CPU and its notable flags.
 """
 import functools
 import platform
@@ -45,20 +44,3 @@ def describe() -> str:
     present = [flag for flag in NOTABLE_FLAGS if flag in flags()]
     return (f"{model_name()} ({platform.machine()}; {' '.join(present) or 'no notable flags'}; "
             f"torch {torch.__version__}, ATen capability {torch.backends.cpu.get_cpu_capability()})")
-
-
-@functools.cache
-def packs_bf16() -> bool:
-    """Whether oneDNN's prepacked bf16 linear runs here.
-
-    It needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT on x86 and refuses other
-    CPUs with an error at pack time, so try it on a small matrix.
-    """
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(32, 32, dtype=torch.bfloat16), 1)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 32, dtype=torch.bfloat16), weight, None, "none", [None], "")
-    except RuntimeError:
-        return False
-    return bool(out.float().eq(32).all())

@@ -45,7 +45,7 @@ def step(runner, token: torch.Tensor, position: torch.Tensor, kv: torch.Tensor) 
         x = x + quant.linear(out.reshape(1, heads * head_dim), layer.wo)
         h = fused.rms_norm_ref(x, layer.ffn_norm, runner.eps, quant.input_dtype(layer.w13) == torch.bfloat16)
         x = x + quant.linear(fused.silu_mul_ref(quant.linear(h, layer.w13)), layer.w2)
-    return runner._logits(x, None)
+    return runner._logits(x)
 
 
 @dataclass

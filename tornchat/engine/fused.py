@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tornchat.engine import quant
+from tornchat.engine import blocks
 
 
 def _load():
@@ -103,36 +103,23 @@ def attends(head_dim: int) -> bool:
     return _native is not None and head_dim % ATTEND_LANES == 0 and head_dim <= 16 * ATTEND_LANES
 
 
-def native_decode_step(layers, heads: int, kv_heads: int, eps: float, scale: float, own_attention: bool):
-    """The C++ ``DecodeStep`` over these layers (``llama.Layer``): one call for a one-token decode step (or a
-    verify's rows), computing what ``LlamaRunner._layers`` does with the native ops; attention by ``attend``
-    (``own_attention``, where ``attends``) or by PyTorch's SDPA a row at a time. None where it cannot run
-    them: no extension, or weights in oneDNN's packed bf16 layout."""
+def native_forward(layers, heads: int, kv_heads: int, eps: float, scale: float, isa: str):
+    """The C++ ``Forward`` over these layers (``llama.Layer``, every matrix a ``quant.BlockWeight``): one
+    call runs a chunk of rows through every layer, computing what ``LlamaRunner._layers`` does, each row as
+    if alone (``attend``, the block kernels on instruction-set path ``isa``). None where the extension is
+    not built."""
     if _native is None:
         return None
-    tensors, ints = [], []
+    vectors, parts, types = [], [], []
     for layer in layers:
-        linears = [_linear(w) for w in layer.matrices()]
-        if None in linears:
-            return None
-        tensors += [layer.attn_norm, layer.ffn_norm, _EMPTY if layer.bqkv is None else layer.bqkv]
-        tensors += [t for _, a, b, _ in linears for t in (a, b)]
-        ints += [kind for kind, *_ in linears] + [group for *_, group in linears]
-    return _native.DecodeStep(tensors, ints, heads, kv_heads, eps, scale, own_attention)
+        vectors += [layer.attn_norm, layer.ffn_norm, _EMPTY if layer.bqkv is None else layer.bqkv]
+        for w in layer.matrices():
+            parts.append(list(w.parts))
+            types.append([blocks.TYPE_IDS[t] for t in w.types])
+    return _native.Forward(vectors, parts, types, heads, kv_heads, eps, scale, isa)
 
 
 _EMPTY = torch.empty(0)
-
-
-def _linear(w: quant.Weight) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
-    """(kind, a, b, group size) as csrc/fused.cpp's Linear takes them."""
-    if isinstance(w, torch.Tensor):
-        return 0, w, _EMPTY, 0
-    if isinstance(w, quant.Int4Weight):
-        return 3 if w.vnni else 1, w.packed, w.scales_and_zeros, w.group_size
-    if isinstance(w, quant.Int8Weight):
-        return 4 if w.vnni else 2, w.values, w.scales, 0
-    return None
 
 
 def ops_for(device: torch.device, dtype: torch.dtype) -> Ops:

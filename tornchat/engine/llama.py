@@ -4,19 +4,19 @@ transformers' modules spend about as long in Python and dispatcher overhead
 as in the matmuls of a small model's decode step (PERF-NOTES.md). This is
 the same computation as plain functions over tensors, gpt-fast style: fused
 QKV and gate/up weights, RoPE as one complex multiply over queries and keys
-together, a KV cache per slot that grows in chunks, SDPA attention.
-Weights, config and tokenizer still come from transformers' loaded model.
+together, a KV cache per slot that grows in chunks. On the CPU the whole
+forward is one C++ call over GGML blocks (``LlamaRunner``); weights come from
+a GGUF file (``weights.gguf_file``), a safetensors directory
+(``weights.safetensors_dir``) or transformers' loaded model.
 """
 from collections import Counter
 from dataclasses import dataclass
-from functools import partial
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from tornchat.engine import cuda_graph, fused, quant
-from tornchat.engine.chunk_attention import attend as attend_chunk, runs as chunk_attention_runs
+from tornchat.engine import blocks, cuda_graph, fused, quant
 
 FAMILIES = ("llama", "qwen2", "mistral")
 QUANTIZE = ("none", "bf16", "int8", "int4")
@@ -149,106 +149,76 @@ def from_transformers(model: torch.nn.Module) -> tuple[LlamaConfig, LlamaWeights
     return spec, weights
 
 
-def packers(quantize: str, inputs: torch.dtype, group_size: int = 32, weights_on_cuda: bool = False):
-    """(pack a layer matrix, pack the output projection) for a decode format, or (None, None) for none.
-    On CUDA only int4 packs (tinygemm)."""
-    if quantize == "none":
-        return None, None
-    if quantize == "bf16":
-        return quant.to_bf16, quant.to_bf16
-
-    def int8(weight):
-        return quant.quantize_int8(weight, inputs)
-
-    def int4(weight):  # odd shapes stay as they are
-        if weight.is_cuda:  # tinygemm; its head is int4 too (no int8 kernel there)
-            return quant.quantize_int4_cuda(weight, group_size) if quant.cuda_supports(weight, group_size) else weight
-        return quant.quantize_int4(weight, group_size, inputs) if quant.supports(weight, group_size) else weight
-
-    if quantize == "int4" and weights_on_cuda:
-        return int4, int4
-
-    return (int4 if quantize == "int4" else int8), int8
-
-
-def pack(weights: LlamaWeights, quantize: str, inputs: torch.dtype = torch.bfloat16, group_size: int = 32,
-         keep: bool = False) -> LlamaWeights:
-    """Plain weights in a decode format (``QUANTIZE``), one layer at a time. Unless ``keep``, each plain
-    layer is dropped once packed, so that the model is never held twice. The embedding reads its rows from
-    the packed head where the two were the same tensor and the head's format can give rows back."""
+def pack(weights: LlamaWeights, quantize: str, group_size: int = quant.CUDA_GROUP, keep: bool = False) -> LlamaWeights:
+    """Plain weights in a ``QUANTIZE`` format, one layer at a time: on the CPU GGML blocks
+    (``quant.to_blocks``: none F32, bf16 BF16, int8 Q8_0, int4 Q4_1 with a Q8_0 head), on CUDA tinygemm int4 (``int4``) or
+    plain (``none``). Unless ``keep``, each plain layer is dropped once packed, so that the model is never
+    held twice. A tied embedding reads its rows from the packed head where that can give them back."""
     if quantize not in QUANTIZE:
         raise ValueError(f"unknown quantize mode {quantize!r} ({' | '.join(QUANTIZE)})")
-    on_cuda = weights.final_norm.is_cuda
-    if on_cuda and quantize not in ("none", "int4"):
-        raise ValueError(f"quantize {quantize!r} has no CUDA kernels here (none | int4)")
-    pack_layer, pack_head = packers(quantize, inputs, group_size, on_cuda)
-    if pack_layer is None:
-        return weights
+    if weights.final_norm.is_cuda:
+        if quantize not in ("none", "int4"):
+            raise ValueError(f"quantize {quantize!r} has no CUDA kernels here (none | int4)")
+        if quantize == "none":
+            return weights
+
+        def pack_matrix(weight):  # odd shapes stay as they are
+            return quant.quantize_int4_cuda(weight, group_size) if quant.cuda_supports(weight, group_size) else weight
+        pack_head = pack_matrix
+    else:
+        def pack_matrix(weight):
+            return quant.to_blocks(weight, quantize)
+
+        def pack_head(weight):
+            return quant.to_blocks(weight, quantize, head=True)
     packed = []
     for i, layer in enumerate(weights.layers):
-        packed.append(layer.packed(pack_layer))
+        packed.append(layer.packed(pack_matrix))
         if not keep:
             weights.layers[i] = None  # the caller gives the plain weights up: free each layer once packed
     head = pack_head(weights.head)
-    return LlamaWeights(embed=shared_embedding(weights, head), layers=packed, final_norm=weights.final_norm, head=head)
+    readable = quant.dequantize(head, torch.float32, torch.zeros(1, dtype=torch.long, device=head_device(head))) is not None
+    embed = head if weights.embed is weights.head and readable else weights.embed
+    return LlamaWeights(embed=embed, layers=packed, final_norm=weights.final_norm, head=head)
 
 
-def shared_embedding(weights: LlamaWeights, head: quant.Weight) -> object:
-    """The embedding beside ``head``, a repacked weights.head: head itself where embedding and head were one
-    tensor and head's format gives rows back (one copy), else the embedding as it was."""
-    readable = quant.dequantize(head, torch.float32, torch.zeros(1, dtype=torch.long)) is not None
-    return head if weights.embed is weights.head and readable else weights.embed
+def head_device(w: quant.Weight) -> torch.device:
+    return w.parts[0].device if isinstance(w, quant.BlockWeight) else w.packed.device if isinstance(
+        w, quant.CudaInt4Weight) else w.device
 
 
 def weights_label(weights: LlamaWeights) -> str:
-    """The formats the layer matrices and the head are stored in, for logs: "int4 x 120, int8 x 30; head int8"."""
-    def name(w) -> str:
-        if isinstance(w, torch.Tensor):
-            return str(w.dtype).removeprefix("torch.")
+    """The formats the layer matrices and the head are stored in, for logs: "Q4_K x 100, Q6_K x 20; head Q6_K"."""
+    def names(w) -> list[str]:
+        if isinstance(w, quant.BlockWeight):
+            return list(w.types)
         if isinstance(w, quant.CudaInt4Weight):
-            return f"int4 (tinygemm, group {w.group_size})"
-        kind = {quant.Int4Weight: "int4", quant.Int8Weight: "int8", quant.Bf16Weight: "bf16 (oneDNN)"}[type(w)]
-        return kind + (" (vnni)" if getattr(w, "vnni", False) else "")
-    counts = Counter(name(m) for layer in weights.layers for m in layer.matrices())
-    return ", ".join(f"{k} x {v}" for k, v in counts.most_common()) + f"; head {name(weights.head)}"
+            return [f"int4 (tinygemm, group {w.group_size})"]
+        return [str(w.dtype).removeprefix("torch.")]
+    counts = Counter(name for layer in weights.layers for m in layer.matrices() for name in names(m))
+    return ", ".join(f"{k} x {v}" for k, v in counts.most_common()) + f"; head {'+'.join(names(weights.head))}"
 
 
 class LlamaRunner:
-    """Implements ``model.Runner`` over one copy of the weights (``LlamaWeights``), in any format.
+    """Implements ``model.Runner`` over one copy of the weights (``LlamaWeights``).
 
-    A decode step streams every weight once, so its speed is bytes per token:
-    packed formats (``pack``; or a GGUF's own blocks, ``weights.gguf_file``)
-    make it faster. ``int4``: PyTorch's int4 CPU kernel (group 32,
-    asymmetric: Q4_0, Q4_1 and Q4_K blocks map onto it exactly), ``int8``:
-    one scale per row; ``bf16``: oneDNN's packed layout where it runs. The
-    int4 and int8 kernels are fed inputs of the dtype their scales are in;
-    which one is fast depends on the CPU (``engine/autotune.py`` times both).
-
-    A prefill chunk is a matrix product, bound by arithmetic rather than by
-    bytes: from ``prefill_from`` rows up, each layer's matrices are
-    dequantized into ``prefill_dtype`` (bf16 matmuls were 4.3-4.7x faster
-    than fp32 on 512 rows with AVX-512 BF16) while that layer runs, and
-    dropped after it, or with ``torch.int8`` multiplied in int8 on the chunk's
-    rows quantized to int8 (``quant.DynamicInt8Weight``: 2x bf16's speed with
-    AVX-512 VNNI); shorter chunks run the decode kernels. No second copy of
-    the model is kept for prefill.
-    ``kv_dtype``: the KV cache's dtype (default: the model's); a bf16 cache
-    reads half the bytes in attention over a long context.
-    ``ops``: the small per-layer operations (``fused.py``; default: C++ on
-    the CPU where built). ``attention``: the C++ step's, ``own`` (``fused.attend``,
-    2x faster than SDPA on the embedded model's 9 heads, slower on 32) or
-    ``sdpa``; autotune times both. With the C++ ones a one-token decode step runs all
-    layers in one C++ call (``decode_step``), else the loop in ``_layers``.
-    ``chunk_attention``: a chunk's (more than one row), ``sdpa`` or, over a bf16 cache on a
-    CPU, ``products`` (``chunk_attention.attend``: 1.5-2.5x faster than SDPA on Zen 5);
-    autotune times both.
-    Norms and the residual stream stay in fp32 (the model's dtype), and
-    each projection's input is cast to what its kernel takes.
+    On the CPU, with the C++ extension built and every matrix in GGML blocks
+    (``quant.BlockWeight``), every forward is one call of csrc/fused.cpp's
+    ``Forward``: a decode step's row, a verify's rows and a prefill chunk's
+    rows alike. Each of its operations computes a row as if alone (the block
+    kernels, attention over the row's own positions in a fixed order, norms,
+    RoPE), so a row's logits and keys have the same bits however it arrives:
+    a greedy reply is the same with its prompt prefilled fresh, from a KV
+    slot, in any chunks, with speculation or without. Elsewhere (CUDA, or no
+    extension) the Python loop ``_layers`` runs with PyTorch's SDPA.
+    ``kv_dtype``: the KV cache's dtype (default bf16 on the CPU, which halves
+    what attention reads over a long context; the model's dtype elsewhere).
+    ``isa``: the block kernels' instruction-set path (default ``blocks.isa()``:
+    the best this CPU runs, or TORNCHAT_ISA's).
     """
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, kv_dtype: torch.dtype | None = None,
-                 prefill_dtype: torch.dtype | None = None, prefill_from: int = 1, ops: fused.Ops | None = None,
-                 attention: str = "sdpa", graphs: bool = True, chunk_attention: str = "sdpa"):
+                 graphs: bool = True, isa: str | None = None):
         self.config, self.weights = config, weights
         self.layers, self.head, self.final_norm = weights.layers, weights.head, weights.final_norm
         self.device, self.dtype = weights.final_norm.device, weights.final_norm.dtype
@@ -261,30 +231,22 @@ class LlamaRunner:
         angles = torch.outer(positions, config.inv_freq.to(self.device))
         magnitude = torch.full_like(angles, config.rope_magnitude)
         self.rope = torch.view_as_real(torch.polar(magnitude, angles)).contiguous()  # [context, head_dim / 2, (cos, sin)]
-        self.ops = ops or fused.ops_for(self.device, self.dtype)
-        self.kv_dtype = kv_dtype or self.dtype
-        self.prefill_dtype, self.prefill_from = prefill_dtype, prefill_from
-        self.scratch: dict = {}  # one layer's matrices dequantized for prefill, a buffer per role reused (as_plain)
+        self.ops = fused.ops_for(self.device, self.dtype)
+        on_cpu = self.device.type == "cpu"
+        self.kv_dtype = kv_dtype or (torch.bfloat16 if on_cpu else self.dtype)
         # On CUDA, one-token steps replay a captured graph (cuda_graph.py) unless ``graphs`` is off.
-        self.graphs = cuda_graph.GraphedSteps(self) if graphs and self.device.type == "cuda" else None
-        self.chunk_attention = "sdpa"
-        if chunk_attention == "products" and chunk_attention_runs(self.kv_dtype, self.device):
-            self.chunk_attention = "products"
-        self.decode_step = None  # the C++ step over the layers where the native ops run; None: the Python loop
-        self.attention = "sdpa"  # the decode step's: "own" (fused.attend) or PyTorch's SDPA
-        if self.ops is fused.NATIVE:
-            self.attention = attention if attention == "sdpa" or fused.attends(self.head_dim) else "sdpa"
-            self.decode_step = fused.native_decode_step(self.layers, self.heads, self.kv_heads, self.eps, self.scale,
-                                                        self.attention == "own")
+        self.graphs = cuda_graph.GraphedSteps(self) if graphs and not on_cpu else None
+        self.step = None  # the C++ forward over the layers (Forward); None: the Python loop
+        self.isa = ""
+        if self.ops is fused.NATIVE and fused.attends(self.head_dim) and all(
+                isinstance(m, quant.BlockWeight) for layer in self.layers for m in layer.matrices()):
+            self.isa = isa or blocks.isa()
+            self.step = fused.native_forward(self.layers, self.heads, self.kv_heads, self.eps, self.scale, self.isa)
 
     def label(self) -> str:
-        prefill = "kernels"
-        if self.prefill_dtype == torch.int8:
-            prefill = f"int8 products from {self.prefill_from} rows"
-        elif self.prefill_dtype is not None:
-            prefill = f"dequantized to {self.prefill_dtype} from {self.prefill_from} rows"
-        chunks = ", products chunk attention" if self.chunk_attention == "products" else ""
-        return f"{weights_label(self.weights)}; {self.kv_dtype} cache, {self.attention} attention{chunks}; prefill {prefill}"
+        forward = "C++ forward" if self.step is not None else "Python forward"
+        isa = f" ({self.isa} kernels)" if self.step is not None else ""
+        return f"{weights_label(self.weights)}; {self.kv_dtype} cache; {forward}{isa}"
 
     def new_cache(self) -> KVCache:
         shape = (len(self.layers), 2, 0, self.kv_heads, self.head_dim)
@@ -326,79 +288,70 @@ class LlamaRunner:
             logits = self.graphs(token_ids[0], cache.kv, start)
             cache.length = start + 1
             return logits
-        x = self._hidden(token_ids, cache, self._weights_as(len(token_ids), decode))
-        return self._logits(x[-1:], None)[0]
+        return self._logits(self._hidden(token_ids, cache)[-1:])[0]
 
     @torch.inference_mode()
     def verify(self, token_ids: list[int], cache: KVCache) -> torch.Tensor:
         """fp32 logits [n, V] after each of token_ids appended to cache: bit for bit what n one-token decode
-        steps give (``DecodeStep`` over n rows where it runs, else the steps themselves)."""
-        if self.decode_step is None:
+        steps give (the C++ forward's rows do not interact; elsewhere the steps themselves)."""
+        if self.step is None:
             return torch.stack([self.forward([token], cache, decode=True) for token in token_ids])
-        x = self._hidden(token_ids, cache, None, steps=True)
-        if isinstance(self.head, quant.Int4Weight | quant.Int8Weight):  # kernels whose rows do not interact
-            return self._logits(x, None)
-        return torch.cat([self._logits(row, None) for row in x.split(1)])
+        return self._logits(self._hidden(token_ids, cache))
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int], mode: str) -> torch.Tensor:
-        """fp32 logits [n, V] of every position of token_ids from an empty cache, in one pass: as a prefill
-        chunk of that length computes them (``prefill``), through the decode kernels on every row
-        (``decode``), or with every matrix dequantized to fp32 (``exact``: the reference the packed formats
-        are measured against, one layer dequantized at a time)."""
-        weights_as = {"prefill": self._weights_as(len(token_ids), False), "decode": None, "exact": torch.float32}[mode]
-        return self._logits(self._hidden(token_ids, self.new_cache(), weights_as), weights_as)
+    def score(self, token_ids: list[int], mode: str = "kernels") -> torch.Tensor:
+        """fp32 logits [n, V] of every position of token_ids from an empty cache, in one pass: as the runner
+        computes them (``kernels``), or with every matrix dequantized to fp32 and multiplied by PyTorch
+        (``exact``: the reference the kernels' activation rounding is measured against, one layer dequantized
+        at a time)."""
+        cache = self.new_cache()
+        if mode == "kernels":
+            return self._logits(self._hidden(token_ids, cache))
+        n = len(token_ids)
+        self._reserve(cache, n)
+        x = quant.dequantize(self.weights.embed, self.dtype, torch.tensor(token_ids, device=self.device))
+        x = self._layers(x, cache, 0, exact=True)
+        head = quant.dequantize(self.head, torch.float32)
+        return F.linear(fused.REFERENCE.rms_norm(x, self.final_norm, self.eps, False), head).float()
 
-    def _weights_as(self, rows: int, decode: bool) -> torch.dtype | None:
-        """The dtype a forward of this many rows dequantizes the matrices into, or None for the kernels."""
-        return self.prefill_dtype if not decode and rows >= self.prefill_from else None
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ops.rms_norm(x, self.final_norm, self.eps, quant.input_dtype(self.head) == torch.bfloat16)
+        if isinstance(self.head, quant.BlockWeight):
+            return self.head.mm(h, self.isa)
+        return quant.linear(h, self.head).float()
 
-    def _logits(self, x: torch.Tensor, weights_as: torch.dtype | None) -> torch.Tensor:
-        # A prefill's logits are its last row's, through the decode kernels (forward): an int8 head on every row
-        # of a score would measure what no chunk computes.
-        head = as_plain(self.head, None if weights_as == torch.int8 else weights_as)
-        h = self.ops.rms_norm(x, self.final_norm, self.eps, quant.input_dtype(head) == torch.bfloat16)
-        return quant.linear(h, head).float()
-
-    def _hidden(self, token_ids: list[int], cache: KVCache, weights_as: torch.dtype | None,
-                steps: bool = False) -> torch.Tensor:
-        """Run token_ids through the layers, appending to cache: the residual stream [n, hidden] after them.
-        ``steps``: each row as a one-token decode step computes it (``verify``)."""
+    def _hidden(self, token_ids: list[int], cache: KVCache) -> torch.Tensor:
+        """Run token_ids through the layers, appending to cache: the residual stream [n, hidden] after them."""
         n, start = len(token_ids), cache.length
         self._reserve(cache, start + n)
         ids = torch.tensor(token_ids, device=self.device)
         x = quant.dequantize(self.weights.embed, self.dtype, ids)
-        if (n == 1 or steps) and weights_as is None and self.decode_step is not None:
-            x = self.decode_step.forward(x, cache.kv, self.rope[start : start + n], start)  # _layers in one C++ call
+        if self.step is not None:
+            x = self.step.forward(x, cache.kv, self.rope[start : start + n], start)  # _layers in one C++ call
         else:
-            x = self._layers(x, cache, start, weights_as)
+            x = self._layers(x, cache, start)
         cache.length = start + n
         return x
 
-    def _layers(self, x: torch.Tensor, cache: KVCache, start: int, weights_as: torch.dtype | None) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, cache: KVCache, start: int, exact: bool = False) -> torch.Tensor:
+        """The layers in PyTorch: where the C++ forward does not run, and (``exact``) with each layer's
+        matrices dequantized to fp32 for ``score``."""
         n, end = x.shape[0], start + x.shape[0]
-        # The C++ ops save per-op overhead, which only one-row steps feel; on a prefill chunk PyTorch's
-        # vectorized kernels are faster (2,000-token prefill 906 -> 1,044 tokens/s with them).
-        ops, eps = self.ops if n == 1 else fused.REFERENCE, self.eps
-        heads, kv_heads = self.heads, self.kv_heads
+        ops = self.ops if n == 1 and not exact else fused.REFERENCE
         freqs = self.rope[start:end]
-        attend = attend_chunk
-        if n == 1 or self.chunk_attention == "sdpa":  # the causal mask made once for every layer
-            attend = partial(sdpa_attend, mask=causal_mask(start, n, heads // kv_heads, self.device) if n > 1 else None)
-        for i, packed in enumerate(self.layers):
-            layer = packed
-            if weights_as is not None:
-                layer = packed._replace(**{role: as_plain(getattr(packed, role), weights_as, self.scratch, role)
-                                           for role in MATRICES})
-            h = ops.rms_norm(x, layer.attn_norm, eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
+        mask = causal_mask(start, n, self.heads // self.kv_heads, self.device) if n > 1 else None
+        for i, layer in enumerate(self.layers):
+            if exact:
+                layer = layer._replace(**{role: quant.dequantize(getattr(layer, role), torch.float32) for role in MATRICES})
+            h = ops.rms_norm(x, layer.attn_norm, self.eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
             qkv = quant.linear(h, layer.wqkv)
             if layer.bqkv is not None:
                 qkv = qkv + layer.bqkv
             keys, values = cache.kv[i].unbind()  # [capacity, kv_heads, head_dim] each
-            q = ops.rope_store(qkv, freqs, keys[start:end], values[start:end], heads, kv_heads)
-            out = attend(q, keys, values, start, self.scale)
+            q = ops.rope_store(qkv, freqs, keys[start:end], values[start:end], self.heads, self.kv_heads)
+            out = sdpa_attend(q, keys, values, start, self.scale, mask)
             x = x + quant.linear(out, layer.wo)
-            h = ops.rms_norm(x, layer.ffn_norm, eps, quant.input_dtype(layer.w13) == torch.bfloat16)
+            h = ops.rms_norm(x, layer.ffn_norm, self.eps, quant.input_dtype(layer.w13) == torch.bfloat16)
             x = x + quant.linear(ops.silu_mul(quant.linear(h, layer.w13)), layer.w2)
         return x
 
@@ -425,25 +378,3 @@ def sdpa_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start
                                          attn_mask=mask, scale=scale)
     # reshape, not view: CUDA's SDPA kernels return a non-contiguous layout.
     return out.reshape(heads, n, head_dim).transpose(0, 1).reshape(n, heads * head_dim)
-
-
-def as_plain(w: quant.Weight, dtype: torch.dtype | None, scratch: dict | None = None, role: str = "") -> quant.Weight:
-    """w dequantized into dtype for one use, or w itself (no dtype asked, or a layout read only by its kernel).
-    ``torch.int8``: int4 and int8 weights multiplied in int8 on inputs quantized per row
-    (``quant.DynamicInt8Weight``), others as they are. ``scratch``: buffers by (role, dtype) that packed int4
-    weights are dequantized into, and one (under torch.int8) that every int8 product works in, reused from
-    layer to layer and chunk to chunk (``LlamaRunner.scratch``)."""
-    if dtype is None:
-        return w
-    if dtype == torch.int8:
-        buffer = torch.empty(0, dtype=torch.uint8) if scratch is None else scratch.setdefault(
-            torch.int8, torch.empty(0, dtype=torch.uint8))
-        return quant.dynamic_int8(w, buffer) or w
-    into = None
-    if scratch is not None and isinstance(w, quant.Int4Weight):
-        n, k = quant.shape(w)
-        into = scratch.get((role, dtype))
-        if into is None or into.shape != (k, n):
-            into = scratch[(role, dtype)] = torch.empty(k, n, dtype=dtype)
-    plain = quant.dequantize(w, dtype, into=into)
-    return w if plain is None else plain

@@ -20,11 +20,11 @@ class Runner(Protocol):
     def forward(self, token_ids: list[int], cache: Any, decode: bool = False) -> torch.Tensor:
         """Append token_ids to cache; return fp32 logits [V] of the last position.
 
-        ``decode``: a one-token step after a sampled token, which runs the
-        decode kernels. A prefill chunk may take another path by its length
-        (``LlamaRunner``: long chunks dequantize each layer for a fast matrix
-        product), so a prompt's logits can differ in the last bits with how
-        much of it was cached, as between any two matmul kernels.
+        ``decode``: a one-token step after a sampled token (CUDA replays a
+        captured graph for it). ``LlamaRunner`` on the CPU computes every row
+        the same way whatever the call, so a prompt's logits do not depend on
+        how much of it was cached or how it was chunked; transformers'
+        modules (``HFRunner``) make no such promise.
         """
 
     def verify(self, token_ids: list[int], cache: Any) -> torch.Tensor:

@@ -61,7 +61,6 @@ class Fault:
         return check
 
 
-TUNE = object()  # _next's answer where no request waits and a measurement slice is due
 
 
 @dataclass(eq=False)  # identity: two equal requests are still two requests to withdraw
@@ -119,7 +118,6 @@ class Engine:
         max_queue: int = 16,
         on_this_thread: bool = False,
         speculation: speculate.Costs | None = None,
-        tuning: Iterator | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -127,9 +125,6 @@ class Engine:
         self.slots = slots
         self.max_queue = max_queue
         self.speculation = speculation  # None: one token per forward
-        # A first start's measurements (build.measured): one slice whenever no request waits; when they end,
-        # the runner and speculation costs they return replace these.
-        self.tuning = tuning
         self.stats = EngineStats()
         self.fault = Fault.from_env()
         self._waiting: deque[Handle] = deque()
@@ -213,37 +208,16 @@ class Engine:
         self._thread.join(timeout=10)
 
     def _next(self) -> Handle | None:
-        """The next request; TUNE where none waits and a measurement slice is due; None once closed."""
+        """The next request, waiting for one; None once closed."""
         with self._wakeup:
-            while not self._waiting and not self._closed and self.tuning is None:
+            while not self._waiting and not self._closed:
                 self._wakeup.wait()
-            if self._closed:
-                return None
-            return self._waiting.popleft() if self._waiting else TUNE
+            return None if self._closed else self._waiting.popleft()
 
     def run_forever(self) -> None:
-        """The worker loop: one request at a time until close(), measuring between them while tuning."""
+        """The worker loop: one request at a time until close()."""
         while (handle := self._next()) is not None:
-            if handle is TUNE:
-                self._tune()
-            else:
-                self._serve(handle)
-
-    def _tune(self) -> None:
-        try:
-            next(self.tuning)
-            return
-        except StopIteration as done:
-            runner, self.speculation = done.value
-        except Exception:
-            log.exception("measuring the decode formats failed; serving on with the weights as loaded")
-            self.tuning = None
-            return
-        self.tuning = None
-        self.runner = runner
-        self.slots.use(runner)
-        self.stats.kv_slots = self.stats.kv_bytes = 0
-        log.info("now serving with the measured format; KV slots emptied (their caches were the old runner's)")
+            self._serve(handle)
 
     def _serve(self, handle: Handle) -> None:
         counters = self.stats.counters

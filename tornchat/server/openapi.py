@@ -400,11 +400,6 @@ def schemas(config: Config) -> dict:
                 "status": {"const": "ok"},
                 "model_loaded": {"type": "boolean"},
                 "queue_depth": {"type": "integer", "minimum": 0},
-                "measuring_formats": {
-                    "type": "boolean",
-                    "description": "Serving while a first start times the decode formats (or a later start builds "
-                                   "the kept one) between requests; the kept format serves once this is false",
-                },
                 "engine": {"type": "object", "additionalProperties": {"type": "integer"}},
                 "server": {"type": "object", "additionalProperties": {"type": "integer"}},
                 "kv": {"type": "object", "properties": {"slots": {"type": "integer"}, "bytes": {"type": "integer"}}},

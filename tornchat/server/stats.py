@@ -29,7 +29,6 @@ def snapshot(engine, server: ServerStats) -> dict:
         "status": "ok",
         "model_loaded": engine is not None,
         "queue_depth": engine.queue_depth(),
-        "measuring_formats": engine.tuning is not None,  # serving while the decode format is measured or built
         "engine": dict(engine.stats.counters),
         "server": dict(server.counters),
         "kv": {"slots": engine.stats.kv_slots, "bytes": engine.stats.kv_bytes},

@@ -1,27 +1,20 @@
-"""What each GGML block type holds, decoded with torch: the values, or for the
-4-bit types the levels, scales and minimums that PyTorch's int4 kernel takes.
+"""What each GGML block type holds, decoded with torch into fp32 values.
 
 Layouts as llama.cpp's ggml-common.h defines them (read there, written
 here). A quantized tensor of N rows and K columns is N * K / block_size
 blocks, row after row; ``raw`` is its bytes as a uint8 tensor [N, row_bytes].
-
-Q4_0, Q4_1 and Q4_K store 4-bit levels with, per group of 32 values, one
-scale and one offset: value = level * scale + low. That is exactly the
-asymmetric group-32 int4 of ``quant.Int4Weight``, so ``int4_levels`` hands
-those over without rounding anything. The other types are decoded to fp32
-(``dequantize``) and packed from there.
+The matrix kernels compute on these bytes as they are (csrc/blocks.cpp);
+decoded values are for the rows of an embedding a prompt looks up, the
+kernels' reference, and float copies where one is asked for.
 
 These functions are the references. ``csrc/ggml.cpp`` does the same in
-one pass over the bytes (the loader's ``int4_packed``, ``int8_rows`` and
-``values`` use it where it is built: 1B-class files load in seconds instead
-of a minute); the tests hold it to these, bit for bit.
+one pass over the bytes (``values`` uses it where it is built); the tests
+hold it to these, bit for bit.
 """
 import importlib
 from dataclasses import dataclass
 
 import torch
-
-from tornchat.engine import quant
 
 
 def _load():
@@ -32,8 +25,6 @@ def _load():
 
 
 _native = _load()  # the compiled module, or None
-
-GROUP = 32  # the int4 kernel's group size that the 4-bit types map onto
 
 
 @dataclass(frozen=True)
@@ -48,7 +39,7 @@ TYPES = {t.name: t for t in [
     BlockType("Q4_0", 32, 18), BlockType("Q4_1", 32, 20), BlockType("Q5_0", 32, 22), BlockType("Q5_1", 32, 24),
     BlockType("Q8_0", 32, 34), BlockType("Q4_K", 256, 144), BlockType("Q5_K", 256, 176), BlockType("Q6_K", 256, 210),
 ]}
-INT4 = ("Q4_0", "Q4_1", "Q4_K")  # exactly group-32 int4
+INT4 = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit levels with, per group of 32 values, value = level * scale + low
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
@@ -112,7 +103,7 @@ def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     if type_name in INT4:
         levels, scales, lows = int4_levels(raw, type_name)
         n = levels.shape[0]
-        grouped = levels.reshape(n, -1, GROUP).float() * scales[..., None] + lows[..., None]
+        grouped = levels.reshape(n, -1, 32).float() * scales[..., None] + lows[..., None]
         return grouped.reshape(n, -1)
     block = TYPES[type_name]
     blocks = _blocks(raw, block)
@@ -152,27 +143,6 @@ def values(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     if _native is None or type_name in FLOATS:
         return dequantize(raw, type_name)
     return _native.dequantize(raw.contiguous(), type_name, cols(raw, type_name))
-
-
-def int4_packed(parts: list[tuple[torch.Tensor, str]], layout: quant.Int4Layout, inputs: torch.dtype) -> quant.Int4Weight:
-    """Matrices of 4-bit types (raw rows, type), stacked by rows, as int4 in the kernel's layout; each part a
-    whole number of the layout's blocks of rows."""
-    k = cols(*parts[0])
-    if _native is not None:
-        packed, scales_and_zeros = _native.int4_blocks([raw.contiguous() for raw, _ in parts], [t for _, t in parts],
-                                                       k, layout.rows, layout.halves)
-        return quant.Int4Weight(packed, scales_and_zeros.to(inputs), GROUP)
-    return quant.stack_rows([quant.int4_weight(layout.pack(levels), scales, lows, inputs)
-                             for levels, scales, lows in (int4_levels(raw, t) for raw, t in parts)])
-
-
-def int8_rows(parts: list[tuple[torch.Tensor, str]], inputs: torch.dtype) -> quant.Int8Weight:
-    """Matrices of quantized types (raw rows, type), stacked by rows, as int8 with a scale per row."""
-    if _native is not None:
-        values, scales = _native.int8_rows([raw.contiguous() for raw, _ in parts], [t for _, t in parts], cols(*parts[0]))
-        return quant.Int8Weight(values, scales.to(inputs))
-    return quant.stack_rows([quant.quantize_int8(dequantize(raw[i : i + quant.INT8_ROWS], t), inputs)
-                             for raw, t in parts for i in range(0, raw.shape[0], quant.INT8_ROWS)])  # bounded temporaries
 
 
 def cols(raw: torch.Tensor, type_name: str) -> int:

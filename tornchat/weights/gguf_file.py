@@ -1,19 +1,15 @@
-"""A Llama-family GGUF file straight into ``LlamaWeights``: quantized blocks become the decode
-formats without dequantizing the model, one tensor at a time.
+"""A Llama-family GGUF file straight into ``LlamaWeights``, its tensors used in place.
 
-- Q4_0, Q4_1, Q4_K: group-32 int4, exactly (``weights.ggml.int4_levels``).
-- Q5_0, Q5_1, Q5_K, Q6_K, Q8_0: int8 with a scale per row, from their values.
-  Inside a fused matrix whose other parts are 4-bit (Q4_K_M stores some
-  layers' value projection as Q6_K), int4 instead, so that queries, keys and
-  values stay one matrix for one kernel call; the quality check measures it.
-- F32, F16, BF16: plain fp32 tensors, packed afterwards as ``--quantize`` says.
-- An untied token embedding stays in the file, memory-mapped, and only the
-  rows a prompt looks up are decoded.
+Every matrix is a ``quant.BlockWeight`` over views of the file's memory
+map: the kernels (csrc/blocks.cpp) compute on the blocks as the file
+stores them, whatever their types (Q4_K_M mixes Q4_K and Q6_K, even inside
+one fused query-key-value matrix), so nothing is converted at start and the
+model is in memory once, as the file's pages. Only Qwen2's query and key
+rows are copied, reordered for RoPE. The token embedding's rows are decoded
+as a prompt looks them up. With ``plain``, every tensor is decoded into
+that dtype instead (a GPU, or --quantize modes that pack from float values).
 
-Config comes from the file's metadata. Tensor bytes are read with plain
-file reads, not through the memory map, so that pages of tensors already
-converted do not stay resident: peak memory is the packed model plus one
-tensor's temporaries.
+Config comes from the file's metadata.
 """
 import logging
 import math
@@ -47,18 +43,6 @@ class FileTensor:
     cols: int  # K: input features (the GGUF's first dimension)
     offset: int
     nbytes: int
-
-
-@dataclass
-class FileRows:
-    """A matrix left in the file's layout (memory-mapped); ``quant.dequantize`` decodes the rows asked for."""
-
-    raw: torch.Tensor  # uint8 [N, row_bytes], a view of the memory map
-    type_name: str
-
-    def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
-        raw = self.raw if rows is None else self.raw[rows.cpu()]
-        return ggml.dequantize(raw, self.type_name).to(device=rows.device if rows is not None else "cpu", dtype=dtype)
 
 
 # GGUF metadata value types: struct format of the scalars; 8 is a string, 9 an array.
@@ -221,49 +205,25 @@ def _check_type(file: GGUFFile, name: str) -> str:
     return type_name
 
 
-def _matrix(file: GGUFFile, names: list[str], reorder: list, inputs: torch.dtype, plain: torch.dtype | None
-            ) -> quant.Weight:
-    """Tensors stacked by rows into one weight: int4 if any part is 4-bit (the others rounded onto its
-    groups), int8 if all are other quantized types, plain fp32 if all are floats; all plain in dtype
+def _matrix(file: GGUFFile, names: list[str], reorder: list, plain: torch.dtype | None) -> quant.Weight:
+    """Tensors stacked by rows into one weight: the file's blocks in place, or all decoded into dtype
     ``plain`` if given. ``reorder``: a row permutation per part, or None."""
     types = [_check_type(file, name) for name in names]
-    parts = []
-    for name, type_name, permute in zip(names, types, reorder):
-        raw = file.raw(name)
-        parts.append((permute(raw) if permute else raw, type_name))
-    if plain is not None or all(t in ggml.FLOATS for t in types):
-        return torch.cat([ggml.values(raw, t).to(plain or torch.float32) for raw, t in parts])
-    layout = quant.int4_layout()
-    if any(t in ggml.INT4 for t in types) and file.tensors[names[0]].cols % ggml.GROUP == 0:
-        if layout is None or not all(layout.fits(raw.shape[0]) for raw, _ in parts):  # PyTorch packs the whole
-            levels, scales, lows = zip(*(_levels(raw, t) for raw, t in parts))
-            return quant.pack_int4(torch.cat(levels), torch.cat(scales), torch.cat(lows), inputs)
-        if all(t in ggml.INT4 for _, t in parts):
-            return ggml.int4_packed(parts, layout, inputs)
-        return quant.stack_rows([ggml.int4_packed([(raw, t)], layout, inputs) if t in ggml.INT4
-                                 else quant.pack_int4(*_levels(raw, t), inputs) for raw, t in parts])
-    return ggml.int8_rows(parts, inputs)
-
-
-def _levels(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Levels, scales and lows of group-32 int4: the file's own for 4-bit types, else rounded from values."""
-    if type_name in ggml.INT4:
-        return ggml.int4_levels(raw, type_name)
-    values = ggml.values(raw, type_name)
-    q, scales, lows = quant.group_levels(values, ggml.GROUP)
-    n = values.shape[0]
-    return q.reshape(n, -1).to(torch.uint8), scales.reshape(n, -1), lows.reshape(n, -1)
+    parts = [permute(file.mapped(name)).contiguous() if permute else file.mapped(name)
+             for name, permute in zip(names, reorder)]
+    if plain is not None:
+        return torch.cat([ggml.values(raw, t).to(plain) for raw, t in zip(parts, types)])
+    return quant.BlockWeight(tuple(parts), tuple(types))
 
 
 def _vector(file: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
     return ggml.dequantize(file.raw(name), _check_type(file, name)).reshape(-1).to(dtype)
 
 
-def load(source: Path | GGUFFile, inputs: torch.dtype = torch.bfloat16, plain: torch.dtype | None = None
-         ) -> tuple[LlamaConfig, LlamaWeights]:
-    """Config and weights of a Llama-family GGUF (a path, or a header already read), for the CPU's kernels;
-    ``inputs``: what the int4 and int8 kernels are fed (their scales' dtype). ``plain``: every tensor
-    dequantized into this dtype instead (a GPU, or --quantize modes that pack from plain weights)."""
+def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[LlamaConfig, LlamaWeights]:
+    """Config and weights of a Llama-family GGUF (a path, or a header already read): the file's blocks for
+    the CPU's kernels, or with ``plain`` every tensor dequantized into that dtype (a GPU, or --quantize modes
+    that pack from float values)."""
     started = time.perf_counter()
     file = source if isinstance(source, GGUFFile) else GGUFFile(source)
     config = config_of(file)
@@ -277,7 +237,7 @@ def load(source: Path | GGUFFile, inputs: torch.dtype = torch.bfloat16, plain: t
     vector_dtype = plain or torch.float32  # norms and biases: the residual stream's dtype
 
     def matrix(names, reorder):
-        return _matrix(file, names, reorder, inputs, plain)
+        return _matrix(file, names, reorder, plain)
 
     _check_shapes(file, config, int(file.meta("block_count")))
     layers = []
@@ -299,9 +259,6 @@ def load(source: Path | GGUFFile, inputs: torch.dtype = torch.bfloat16, plain: t
     _check_type(file, "token_embd.weight")
     if "output.weight" not in file.tensors:  # tied: the head's rows are the embedding
         head = embed = matrix(["token_embd.weight"], [None])
-    elif plain is None:
-        head = matrix(["output.weight"], [None])
-        embed = FileRows(file.mapped("token_embd.weight"), file.tensors["token_embd.weight"].type_name)
     else:
         head, embed = matrix(["output.weight"], [None]), matrix(["token_embd.weight"], [None])
     weights = LlamaWeights(embed=embed, layers=layers, final_norm=_vector(file, "output_norm.weight", vector_dtype),
@@ -320,8 +277,3 @@ def to_device(weights: LlamaWeights, device: str) -> LlamaWeights:
         layers=[Layer(*(move(t) for t in layer)) for layer in weights.layers],
         final_norm=move(weights.final_norm), head=head,
     )
-
-
-def is_quantized(file: GGUFFile) -> bool:
-    """Whether any matrix in the file is stored in a quantized type (else it is a float checkpoint)."""
-    return any(t.type_name not in ggml.FLOATS for t in file.tensors.values() if t.rows > 1)

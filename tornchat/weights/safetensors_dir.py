@@ -1,6 +1,6 @@
-"""A Hugging Face Llama-family checkpoint read tensor by tensor from its safetensors files, each layer
-packed as it is read (``--quantize int4|int8``): the whole model is never held in fp32, only the layer
-being packed."""
+"""A Hugging Face Llama-family checkpoint read tensor by tensor from its safetensors files, each matrix
+quantized into GGML blocks as it is read (``--quantize int4|int8``, ``quant.to_blocks``): the whole model
+is never held in fp32, only the tensor being packed."""
 import json
 import logging
 import time
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tornchat.engine import llama
+from tornchat.engine import llama, quant
 from tornchat.engine.llama import Layer, LlamaConfig, LlamaWeights
 
 log = logging.getLogger("tornchat.checkpoint")
@@ -32,12 +32,15 @@ class Tensors:
         return self.where[name].get_tensor(name).float()
 
 
-def load(directory: Path, hf_config, pack_layer, pack_head) -> tuple[LlamaConfig, LlamaWeights]:
-    """Config and weights, each layer's matrices fused and packed by ``pack_layer`` as they are read, the
-    output projection by ``pack_head`` (``llama.packers``)."""
+def load(directory: Path, hf_config, quantize: str) -> tuple[LlamaConfig, LlamaWeights]:
+    """Config and weights, each layer's matrices fused and quantized into ``quantize``'s blocks as they are
+    read."""
     started = time.perf_counter()
     config = llama.config_of(hf_config)
     tensors = Tensors(directory)
+
+    def pack(weight: torch.Tensor) -> quant.BlockWeight:
+        return quant.to_blocks(weight, quantize)
 
     def rows(name: str, heads: int | None = None) -> torch.Tensor:
         t = tensors.get(name)
@@ -52,20 +55,17 @@ def load(directory: Path, hf_config, pack_layer, pack_head) -> tuple[LlamaConfig
                               rows(p + "self_attn.v_proj.bias")])
         layers.append(Layer(
             attn_norm=rows(p + "input_layernorm.weight"),
-            wqkv=pack_layer(torch.cat([rows(p + "self_attn.q_proj.weight", config.heads),
+            wqkv=pack(torch.cat([rows(p + "self_attn.q_proj.weight", config.heads),
                                        rows(p + "self_attn.k_proj.weight", config.kv_heads), rows(p + "self_attn.v_proj.weight")])),
             bqkv=bias,
-            wo=pack_layer(rows(p + "self_attn.o_proj.weight")),
+            wo=pack(rows(p + "self_attn.o_proj.weight")),
             ffn_norm=rows(p + "post_attention_layernorm.weight"),
-            w13=pack_layer(torch.cat([rows(p + "mlp.gate_proj.weight"), rows(p + "mlp.up_proj.weight")])),
-            w2=pack_layer(rows(p + "mlp.down_proj.weight")),
+            w13=pack(torch.cat([rows(p + "mlp.gate_proj.weight"), rows(p + "mlp.up_proj.weight")])),
+            w2=pack(rows(p + "mlp.down_proj.weight")),
         ))
-    embed = rows("model.embed_tokens.weight")
     tied = "lm_head.weight" not in tensors or getattr(hf_config, "tie_word_embeddings", False)
-    plain = LlamaWeights(embed=embed, layers=[], final_norm=rows("model.norm.weight"),
-                         head=embed if tied else rows("lm_head.weight"))
-    head = pack_head(plain.head)
-    weights = LlamaWeights(embed=llama.shared_embedding(plain, head), layers=layers, final_norm=plain.final_norm, head=head)
-    del plain
+    head = quant.to_blocks(rows("model.embed_tokens.weight" if tied else "lm_head.weight"), quantize, head=True)
+    embed = head if tied else rows("model.embed_tokens.weight")  # the head's blocks give its rows back
+    weights = LlamaWeights(embed=embed, layers=layers, final_norm=rows("model.norm.weight"), head=head)
     log.info("read %s layer by layer, packed, in %.1f s", directory, time.perf_counter() - started)
     return config, weights

@@ -11,7 +11,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include "gemv.h"
+#include "blocks.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -23,16 +23,22 @@
 
 namespace {
 
+// The row loops below split rows between threads (a prefill chunk's 512 rows; a step's one stays on this
+// thread): each row is computed by itself, the same way whatever the split.
+constexpr int64_t ROW_GRAIN = 16;
+
 template <typename Out>
 void rms_norm_rows(const float* x, const float* w, Out* out, int64_t rows, int64_t hidden, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * hidden;
-    Out* yr = out + r * hidden;
-    float squares = 0.f;
-    for (int64_t i = 0; i < hidden; ++i) squares += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
-    for (int64_t i = 0; i < hidden; ++i) yr[i] = static_cast<Out>(xr[i] * inv * w[i]);
-  }
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const float* xr = x + r * hidden;
+      Out* yr = out + r * hidden;
+      float squares = 0.f;
+      for (int64_t i = 0; i < hidden; ++i) squares += xr[i] * xr[i];
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+      for (int64_t i = 0; i < hidden; ++i) yr[i] = static_cast<Out>(xr[i] * inv * w[i]);
+    }
+  });
 }
 
 // x [rows, hidden] fp32, weight [hidden] fp32 -> [rows, hidden], bf16 if bf16_out else fp32.
@@ -54,23 +60,25 @@ template <typename In, typename Kv>
 void rope_store_rows(const In* qkv, const float* freqs, Kv* queries, Kv* keys, Kv* values, int64_t rows,
                      int64_t heads, int64_t kv_heads, int64_t head_dim) {
   const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
-  for (int64_t r = 0; r < rows; ++r) {
-    const In* row = qkv + r * width;
-    const float* f = freqs + r * head_dim;  // (cos, sin) pairs, magnitude included
-    for (int64_t h = 0; h < heads + kv_heads; ++h) {
-      const In* src = row + h * head_dim;
-      Kv* dst = h < heads ? queries + (r * heads + h) * head_dim : keys + (r * kv_heads + h - heads) * head_dim;
-      for (int64_t j = 0; j < half; ++j) {
-        const float a = to_float(src[2 * j]), b = to_float(src[2 * j + 1]);
-        const float c = f[2 * j], s = f[2 * j + 1];
-        dst[2 * j] = static_cast<Kv>(a * c - b * s);
-        dst[2 * j + 1] = static_cast<Kv>(a * s + b * c);
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const In* row = qkv + r * width;
+      const float* f = freqs + r * head_dim;  // (cos, sin) pairs, magnitude included
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        const In* src = row + h * head_dim;
+        Kv* dst = h < heads ? queries + (r * heads + h) * head_dim : keys + (r * kv_heads + h - heads) * head_dim;
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = to_float(src[2 * j]), b = to_float(src[2 * j + 1]);
+          const float c = f[2 * j], s = f[2 * j + 1];
+          dst[2 * j] = static_cast<Kv>(a * c - b * s);
+          dst[2 * j + 1] = static_cast<Kv>(a * s + b * c);
+        }
       }
+      const In* v = row + (heads + kv_heads) * head_dim;
+      Kv* vdst = values + r * kv_heads * head_dim;
+      for (int64_t i = 0; i < kv_heads * head_dim; ++i) vdst[i] = static_cast<Kv>(to_float(v[i]));
     }
-    const In* v = row + (heads + kv_heads) * head_dim;
-    Kv* vdst = values + r * kv_heads * head_dim;
-    for (int64_t i = 0; i < kv_heads * head_dim; ++i) vdst[i] = static_cast<Kv>(to_float(v[i]));
-  }
+  });
 }
 
 // qkv [rows, (heads + 2 kv_heads) * head_dim] (fp32 or bf16), freqs [rows, head_dim / 2, 2] fp32,
@@ -105,15 +113,17 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor
 
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* gate = gate_up + r * 2 * width;
-    const T* up = gate + width;
-    T* y = out + r * width;
-    for (int64_t i = 0; i < width; ++i) {
-      const float g = to_float(gate[i]);
-      y[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const T* gate = gate_up + r * 2 * width;
+      const T* up = gate + width;
+      T* y = out + r * width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = to_float(gate[i]);
+        y[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
+      }
     }
-  }
+  });
 }
 
 // gate_up [rows, 2 * width] (gate then up) -> silu(gate) * up [rows, width], same dtype (fp32 or bf16).
@@ -261,32 +271,13 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   return out;
 }
 
-// A projection as the decode step reads it: plain weights (F.linear), packed int4 or per-row int8, through
-// PyTorch's kernels or, on int8 activations, gemv.cpp's (VNNI_INT4, VNNI_INT8: fed fp32, they quantize it).
+// A projection: its weights' parts in their GGML types (blocks.h), each row computed as if alone.
 struct Linear {
-  enum Kind : int64_t { PLAIN = 0, INT4 = 1, INT8 = 2, VNNI_INT4 = 3, VNNI_INT8 = 4 };
-  int64_t kind;
-  at::Tensor a, b;  // plain: weight, -; int4: packed, scales_and_zeros; int8: values, scales
-  int64_t group_size;
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> types;
+  std::string isa;  // the kernels' instruction-set path (blocks.h)
 
-  at::ScalarType input() const {
-    return kind == PLAIN ? a.scalar_type() : kind >= VNNI_INT4 ? at::kFloat : b.scalar_type();
-  }
-
-  // Every kind gives each row of x the bits it gives that row alone, so a verify step over n rows computes
-  // what n one-row steps would: the int4 and int8 kernels reduce each row the same way whatever the row
-  // count, while a plain matmul's reduction order changes with it (GEMV against GEMM), hence one row at a time.
-  at::Tensor operator()(const at::Tensor& x) const {
-    const auto in = x.to(input());
-    if (kind == INT4) return at::_weight_int4pack_mm_for_cpu(in, a, group_size, b);
-    if (kind == INT8) return at::_weight_int8pack_mm(in, a, b);
-    if (kind == VNNI_INT4) return tornchat::vnni_int4_mm(in, a, b);
-    if (kind == VNNI_INT8) return tornchat::vnni_int8_mm(in, a, b);
-    if (in.size(0) == 1) return at::linear(in, a);
-    std::vector<at::Tensor> rows;
-    for (int64_t r = 0; r < in.size(0); ++r) rows.push_back(at::linear(in.narrow(0, r, 1), a));
-    return at::cat(rows);
-  }
+  at::Tensor operator()(const at::Tensor& x) const { return tornchat::block_mm(x, parts, types, isa); }
 };
 
 struct Layer {
@@ -294,24 +285,25 @@ struct Layer {
   Linear wqkv, wo, w13, w2;
 };
 
-// Decode steps through every layer, the Python loop of llama.LlamaRunner._layers in one call: that loop's
-// ~25 Python-level operations per layer cost more than the layer's small kernels. n rows at once (a
-// speculative verify) give each row exactly what a one-row step at its position gives: rows meet only
-// in attention, whose every row is computed as if alone (attend).
-class DecodeStep {
+// The lean forward through every layer in one call, the Python loop of llama.LlamaRunner._layers without its
+// ~25 Python-level operations per layer, which cost more than a decode step's small kernels. n rows at once
+// (a decode step's one, a verify's k + 1, a prefill chunk's up to 512) give each row exactly what that row
+// alone at its position gives: rows meet only in attention, whose every row is computed as if alone
+// (attend), and every other operation, the block kernels included, computes a row by itself.
+class Forward {
  public:
-  // Per layer, tensors: attn_norm, ffn_norm, bqkv (or empty), then a and b of wqkv, wo, w13, w2 (b empty for
-  // plain weights); ints: the kind and the group size of wqkv, wo, w13, w2.
-  // own_attention: attend, else PyTorch's SDPA row by row (whichever autotune timed faster for the model).
-  DecodeStep(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& ints, int64_t heads, int64_t kv_heads,
-             double eps, double scale, bool own_attention)
-      : heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale), own_attention_(own_attention) {
-    TORCH_CHECK(tensors.size() % 11 == 0 && ints.size() * 11 == tensors.size() * 8, "11 tensors and 8 ints per layer");
-    for (size_t i = 0; i < tensors.size() / 11; ++i) {
-      const at::Tensor* t = &tensors[11 * i];
-      const int64_t* n = &ints[8 * i];
-      layers_.push_back(Layer{t[0], t[1], t[2], Linear{n[0], t[3], t[4], n[4]}, Linear{n[1], t[5], t[6], n[5]},
-                              Linear{n[2], t[7], t[8], n[6]}, Linear{n[3], t[9], t[10], n[7]}});
+  // Per layer: vectors attn_norm, ffn_norm, bqkv (or empty); the parts and GGML types of wqkv, wo, w13, w2.
+  // isa: the block kernels' path, one of block_isas().
+  Forward(const std::vector<at::Tensor>& vectors, const std::vector<std::vector<at::Tensor>>& parts,
+          const std::vector<std::vector<int64_t>>& types, int64_t heads, int64_t kv_heads, double eps, double scale,
+          const std::string& isa)
+      : heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale) {
+    TORCH_CHECK(vectors.size() % 3 == 0 && parts.size() == vectors.size() / 3 * 4 && types.size() == parts.size(),
+                "3 vectors and 4 matrices per layer");
+    for (size_t i = 0; i < vectors.size() / 3; ++i) {
+      const auto linear = [&](size_t m) { return Linear{parts[4 * i + m], types[4 * i + m], isa}; };
+      layers_.push_back(Layer{vectors[3 * i], vectors[3 * i + 1], vectors[3 * i + 2], linear(0), linear(1), linear(2),
+                              linear(3)});
     }
   }
 
@@ -319,131 +311,26 @@ class DecodeStep {
   // [n, head_dim / 2, 2] of positions start..start + n - 1. Writes the tokens' keys and values there;
   // returns x after the layers.
   at::Tensor forward(at::Tensor x, const at::Tensor& kv, const at::Tensor& freqs, int64_t start) const {
-    const int64_t n = x.size(0), head_dim = kv.size(-1), groups = heads_ / kv_heads_;
+    const int64_t n = x.size(0);
     TORCH_CHECK(kv.size(0) == static_cast<int64_t>(layers_.size()) && start + n <= kv.size(2) && freqs.size(0) == n,
                 "the cache does not fit this step");
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      auto qkv = layer.wqkv(rms_norm(x, layer.attn_norm, eps_, layer.wqkv.input() == at::kBFloat16));
+      auto qkv = layer.wqkv(rms_norm(x, layer.attn_norm, eps_, false));
       if (layer.bqkv.numel()) qkv = qkv + layer.bqkv;
       const auto keys = kv.select(0, i).select(0, 0), values = kv.select(0, i).select(0, 1);
       auto q = rope_store(qkv.contiguous(), freqs, keys.narrow(0, start, n), values.narrow(0, start, n), heads_, kv_heads_);
-      x = x + layer.wo(own_attention_ ? attend(q, keys, values, start, scale_) : sdpa_rows(q, keys, values, start));
-      x = x + layer.w2(silu_mul(layer.w13(rms_norm(x, layer.ffn_norm, eps_, layer.w13.input() == at::kBFloat16))));
+      x = x + layer.wo(attend(q, keys, values, start, scale_));
+      x = x + layer.w2(silu_mul(layer.w13(rms_norm(x, layer.ffn_norm, eps_, false))));
     }
     return x;
   }
 
  private:
   std::vector<Layer> layers_;
-  // Each row alone, in the call a one-row step makes.
-  at::Tensor sdpa_rows(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start) const {
-    const int64_t n = q.size(0), head_dim = q.size(2), groups = heads_ / kv_heads_;
-    std::vector<at::Tensor> rows;
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t seen = start + r + 1;
-      rows.push_back(at::scaled_dot_product_attention(
-          q.narrow(0, r, 1).view({1, kv_heads_, groups, head_dim}), keys.narrow(0, 0, seen).unsqueeze(0).transpose(1, 2),
-          values.narrow(0, 0, seen).unsqueeze(0).transpose(1, 2), {}, 0.0, false, scale_).reshape({1, heads_ * head_dim}));
-    }
-    return n == 1 ? rows[0] : at::cat(rows);
-  }
-
   int64_t heads_, kv_heads_;
   double eps_, scale_;
-  bool own_attention_;
 };
-
-// Packed int4 weights -> [N, K] values (level - 8) * scale + zero, as quant.Int4Weight.dequantize computes
-// them: in fp32, or with each operation rounded to bf16 as PyTorch's bf16 elementwise ops round. The layout
-// (quant.Int4Layout): blocks of block_rows rows, each [K, block_rows / 2] bytes; byte j holds rows j and
-// j + block_rows / 2 (halves) or rows 2j and 2j + 1, the first in the low nibble.
-//
-// A prefill chunk dequantizes every layer it runs through, so this must cost little beside the matrix
-// product it feeds: the values are written as [K, N], where one input feature's bytes hold consecutive
-// rows (16-lane vectors, contiguous stores), and handed back as its transposed view; a matmul reads
-// either order. (Writing [N, K] a value at a time took 83 ms for a 1B model's gate and up projection,
-// twice their bf16 product on 512 rows.)
-inline __attribute__((always_inline)) UintVec bf16_bits(Vec v) {  // round to nearest even, as c10::BFloat16
-  UintVec u;
-  std::memcpy(&u, &v, sizeof u);
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-}
-
-inline __attribute__((always_inline)) Vec bf16_round(Vec v) {
-  const UintVec u = bf16_bits(v);
-  Vec r;
-  std::memcpy(&r, &u, sizeof r);
-  return r;
-}
-
-typedef uint8_t ByteVec __attribute__((vector_size(16)));
-
-// Input features [first_k, last_k) of one group, every block of rows: each feature's values are one
-// contiguous run of the output, its scales and zeros one contiguous run of params (already rounded to the
-// output type). fp-contract off: (level - 8) * scale + zero is two roundings in the reference, not an FMA.
-CLONED __attribute__((optimize("fp-contract=off"))) void dequantize_features(
-    const uint8_t* packed, const float* scale, const float* zero, void* out, int64_t n, int64_t k, int64_t first_k,
-    int64_t last_k, int64_t block_rows, bool halves, bool bf16_out) {
-  const int64_t half = block_rows / 2;
-  for (int64_t kk = first_k; kk < last_k; ++kk) {
-    for (int64_t row0 = 0; row0 < n; row0 += block_rows) {
-      const uint8_t* bytes = packed + row0 * k / 2 + kk * half;  // block row0 / block_rows is [K, half] bytes
-      for (int64_t j = 0; j < half; j += LANES) {
-        ByteVec raw;
-        std::memcpy(&raw, bytes + j, sizeof raw);
-        const IntVec wide = __builtin_convertvector(raw, IntVec);
-        Vec low = __builtin_convertvector((wide & 15) - 8, Vec), high = __builtin_convertvector((wide >> 4) - 8, Vec);
-        int64_t at_low = row0 + j, at_high = row0 + j + half;  // halves: rows j.., j + half..
-        if (!halves) {  // rows 2j, 2j + 1, ...: interleave
-          const Vec a = __builtin_shufflevector(low, high, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-          const Vec b = __builtin_shufflevector(low, high, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-          low = a, high = b, at_low = row0 + 2 * j, at_high = row0 + 2 * j + LANES;
-        }
-        for (int part = 0; part < 2; ++part) {
-          const int64_t at = part ? at_high : at_low;
-          const Vec level = part ? high : low;
-          const Vec product = level * load(scale + at);  // a statement of its own: no compiler fuses it
-          if (bf16_out) {
-            const UintVec value = bf16_bits(bf16_round(product) + load(zero + at));
-            const HalfVec bits = __builtin_convertvector(value >> 16, HalfVec);
-            std::memcpy(static_cast<uint16_t*>(out) + kk * n + at, &bits, sizeof bits);
-          } else {
-            const Vec value = product + load(zero + at);
-            std::memcpy(static_cast<float*>(out) + kk * n + at, &value, sizeof value);
-          }
-        }
-      }
-    }
-  }
-}
-
-// into: a [K, N] buffer to write into (a prefill reuses one per matrix: a fresh 67 MB tensor costs its
-// page faults, ~25 ms, at every layer), or none for a new tensor.
-at::Tensor dequantize_int4(const at::Tensor& packed, const at::Tensor& scales_and_zeros, int64_t group, int64_t block_rows,
-                           bool halves, bool bf16_out, const std::optional<at::Tensor>& into) {
-  check_cpu_contiguous(packed, "packed");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2, "packed must be uint8 [N, K / 2]");
-  const int64_t n = packed.size(0), k = packed.size(1) * 2;
-  TORCH_CHECK(n % block_rows == 0 && k % group == 0 && scales_and_zeros.size(0) == k / group &&
-              scales_and_zeros.size(1) == n && block_rows % (2 * LANES) == 0, "packed rows, groups and scales_and_zeros do not fit");
-  // [K / group, N, 2] -> per group, scales then zeros of every row, rounded once to the output type.
-  auto params = scales_and_zeros.to(bf16_out ? at::kBFloat16 : at::kFloat).to(at::kFloat).permute({0, 2, 1}).contiguous();
-  const float* p = params.data_ptr<float>();
-  const auto dtype = bf16_out ? at::kBFloat16 : at::kFloat;
-  at::Tensor out = into ? *into : at::empty({k, n}, dtype);
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.size(0) == k && out.size(1) == n,
-              "into must be a contiguous [K, N] tensor of the output dtype");
-  const uint8_t* bytes = packed.data_ptr<uint8_t>();
-  void* y = out.data_ptr();
-  at::parallel_for(0, k / group, 1, [&](int64_t first, int64_t last) {
-    for (int64_t g = first; g < last; ++g) {
-      const float* scale = p + (g * 2) * n;
-      dequantize_features(bytes, scale, scale + n, y, n, k, g * group, (g + 1) * group, block_rows, halves, bf16_out);
-    }
-  });
-  return out.t();
-}
 
 }  // namespace
 
@@ -452,18 +339,11 @@ PYBIND11_MODULE(_fused, m) {
   m.def("rope_store", &rope_store, "RoPE on queries and keys; keys and values written into the cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("attend", &attend, "causal attention of n decode rows over the cache, each row as if alone");
-  m.def("dequantize_int4", &dequantize_int4, "packed int4 weights to fp32 or bf16 values, as a [K, N] tensor's transposed view",
-        pybind11::arg("packed"), pybind11::arg("scales_and_zeros"), pybind11::arg("group"), pybind11::arg("block_rows"),
-        pybind11::arg("halves"), pybind11::arg("bf16_out"), pybind11::arg("into") = std::nullopt,
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("vnni_supported", &tornchat::vnni_supported, "whether this CPU runs vnni_int4_mm and vnni_int8_mm");
-  m.def("vnni_int4_mm", &tornchat::vnni_int4_mm, "x times packed int4 weights on int8 activations (gemv.cpp)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("vnni_int8_mm", &tornchat::vnni_int8_mm, "x times per-row int8 weights on int8 activations (gemv.cpp)",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  pybind11::class_<DecodeStep>(m, "DecodeStep")
-      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, int64_t, int64_t, double, double,
-                          bool>())
+  tornchat::define_blocks(m);
+  pybind11::class_<Forward>(m, "Forward")
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<std::vector<at::Tensor>>&,
+                          const std::vector<std::vector<int64_t>>&, int64_t, int64_t, double, double,
+                          const std::string&>())
       // Without the GIL: the server's IOLoop thread keeps answering and streaming during a step.
-      .def("forward", &DecodeStep::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &Forward::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

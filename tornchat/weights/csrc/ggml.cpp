@@ -1,8 +1,8 @@
-// GGML blocks straight into the decode formats, one pass over the file's bytes.
+// GGML blocks decoded to fp32 values, one pass over the bytes: the embedding rows a prompt looks up, and
+// float copies of a quantized file where one is asked for (--quantize int8|int4, a GPU).
 //
 // The semantics are those of tornchat/weights/ggml.py (which the tests hold
-// this to, bit for bit, and both to the gguf package's dequantizer), and of
-// tornchat/engine/quant.py's int4 layout and int8 rows. Every product of a
+// this to, bit for bit, and both to the gguf package's dequantizer). Every product of a
 // block's scales and levels is exact in fp32 (at most 22 significant bits),
 // so the order of the multiplications does not change a value.
 #include <ATen/ATen.h>
@@ -161,108 +161,11 @@ void values_row(const std::string& type, const uint8_t* row, int64_t k, float* y
   }
 }
 
-// Round to nearest, ties to even (as nearbyint in the default mode and torch.round) for |x| < 2^22: adding
-// and taking away 1.5 * 2^23 leaves no fraction bits. A libm call per value was most of a 3B file's
-// int8 conversion; this vectorizes.
-inline float round_even(float x) {
-  constexpr float magic = 12582912.0f;
-  return (x + magic) - magic;
-}
-
 void check_raw(const at::Tensor& raw, const std::string& type, int64_t k) {
   TORCH_CHECK(raw.device().is_cpu() && raw.is_contiguous() && raw.scalar_type() == at::kByte && raw.dim() == 2,
               "raw must be a contiguous uint8 CPU tensor [rows, row_bytes]");
   const Type t = type_of(type);
   TORCH_CHECK(k % t.values == 0 && raw.size(1) == k / t.values * t.bytes, "row bytes do not fit ", k, " values of ", type);
-}
-
-// Matrices of 4-bit types stacked by rows -> (packed uint8 [N, K / 2] in the int4 kernel's layout,
-// scales_and_zeros fp32 [K / 32, N, 2]) as quant.Int4Weight holds them: the kernel computes
-// (level - 8) * scale + zero, so the zero is the value of level 8. The layout: blocks of block_rows rows,
-// each [K, block_rows / 2] bytes; byte j holds rows j and j + block_rows / 2 (halves) or rows 2j and
-// 2j + 1, the first in the low nibble. Each part must be a whole number of blocks.
-std::vector<at::Tensor> int4_blocks(const std::vector<at::Tensor>& raws, const std::vector<std::string>& types, int64_t k,
-                                    int64_t block_rows, bool halves) {
-  TORCH_CHECK(raws.size() == types.size() && !raws.empty(), "one type per part");
-  int64_t n = 0;
-  for (size_t p = 0; p < raws.size(); ++p) {
-    check_raw(raws[p], types[p], k);
-    TORCH_CHECK(raws[p].size(0) % block_rows == 0 && block_rows % 2 == 0, "rows must be a multiple of the layout's block");
-    n += raws[p].size(0);
-  }
-  const int64_t groups = k / 32, half = block_rows / 2;
-  auto packed = at::empty({n, k / 2}, at::kByte);
-  auto scales_and_zeros = at::empty({groups, n, 2}, at::kFloat);
-  uint8_t* dst = packed.data_ptr<uint8_t>();
-  float* sz = scales_and_zeros.data_ptr<float>();
-  int64_t first_row = 0;
-  for (size_t p = 0; p < raws.size(); ++p) {
-    const uint8_t* src = raws[p].data_ptr<uint8_t>();
-    const int64_t row_bytes = raws[p].size(1), part_rows = raws[p].size(0);
-    const std::string& type = types[p];
-    // A block of rows at a time: its levels decoded row by row, then its bytes and scales written in order
-    // (a row at a time, each byte was a read-modify-write K times strided: 2.4 s of a 3B file's 4.8 s read).
-    at::parallel_for(0, part_rows / block_rows, 1, [&](int64_t first, int64_t last) {
-      std::vector<uint8_t> levels(block_rows * k);
-      std::vector<float> scales(block_rows * groups), lows(block_rows * groups);
-      for (int64_t b = first; b < last; ++b) {
-        const int64_t row0 = b * block_rows;
-        for (int64_t r = 0; r < block_rows; ++r) {
-          int4_row(type, src + (row0 + r) * row_bytes, k, &levels[r * k], &scales[r * groups], &lows[r * groups]);
-        }
-        for (int64_t g = 0; g < groups; ++g) {
-          float* out = sz + (g * n + first_row + row0) * 2;
-          for (int64_t r = 0; r < block_rows; ++r) {
-            out[2 * r] = scales[r * groups + g];
-            out[2 * r + 1] = lows[r * groups + g] + 8 * scales[r * groups + g];
-          }
-        }
-        uint8_t* block = dst + (first_row + row0) * k / 2;
-        const int64_t low_step = halves ? 1 : 2, high_row = halves ? half : 1;  // byte j: rows j, j + half or 2j, 2j + 1
-        for (int64_t i = 0; i < k; ++i) {
-          for (int64_t j = 0; j < half; ++j) {
-            const int64_t low = j * low_step;
-            block[i * half + j] = levels[low * k + i] | (levels[(low + high_row) * k + i] << 4);
-          }
-        }
-      }
-    });
-    first_row += part_rows;
-  }
-  return {packed, scales_and_zeros};
-}
-
-// Matrices of quantized types stacked by rows -> (int8 values [N, K], fp32 scales [N]): symmetric, one
-// scale per row, the largest magnitude at 127, rounded to nearest even (quant.quantize_int8).
-std::vector<at::Tensor> int8_rows(const std::vector<at::Tensor>& raws, const std::vector<std::string>& types, int64_t k) {
-  TORCH_CHECK(raws.size() == types.size() && !raws.empty(), "one type per part");
-  int64_t n = 0;
-  for (size_t p = 0; p < raws.size(); ++p) {
-    check_raw(raws[p], types[p], k);
-    n += raws[p].size(0);
-  }
-  auto values = at::empty({n, k}, at::kChar);
-  auto scales = at::empty({n}, at::kFloat);
-  int64_t first_row = 0;
-  for (size_t p = 0; p < raws.size(); ++p) {
-    const uint8_t* src = raws[p].data_ptr<uint8_t>();
-    const int64_t row_bytes = raws[p].size(1);
-    const std::string& type = types[p];
-    at::parallel_for(0, raws[p].size(0), 16, [&](int64_t first, int64_t last) {
-      std::vector<float> y(k);
-      for (int64_t row = first; row < last; ++row) {
-        values_row(type, src + row * row_bytes, k, y.data());
-        float largest = 0.f;
-        for (float v : y) largest = std::max(largest, std::fabs(v));
-        const float scale = std::max(largest / 127.f, 1e-12f);
-        int8_t* out = values.data_ptr<int8_t>() + (first_row + row) * k;
-        for (int64_t i = 0; i < k; ++i) out[i] = static_cast<int8_t>(std::clamp(round_even(y[i] / scale), -127.f, 127.f));
-        scales.data_ptr<float>()[first_row + row] = scale;
-      }
-    });
-    first_row += raws[p].size(0);
-  }
-  return {values, scales};
 }
 
 // Any quantized type's rows -> fp32 values [N, K] (ggml.dequantize).
@@ -280,8 +183,5 @@ at::Tensor dequantize(const at::Tensor& raw, const std::string& type, int64_t k)
 }  // namespace
 
 PYBIND11_MODULE(_ggml, m) {
-  m.def("int4_blocks", &int4_blocks, "4-bit GGML rows into the int4 kernel's layout, with group scales and lows",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("int8_rows", &int8_rows, "GGML rows into int8 with a scale per row", pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dequantize", &dequantize, "GGML rows into fp32 values", pybind11::call_guard<pybind11::gil_scoped_release>());
 }

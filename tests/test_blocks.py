@@ -1,0 +1,263 @@
+"""The GGUF block kernels (tornchat/engine/blocks.py over csrc/blocks.cpp): every type on every path this CPU
+runs against the float64 reference, bit-identical rows whatever the batch, thread count or split into parts,
+the int16 saturation worst cases of the AVX2 path, TORNCHAT_ISA, and the error against fp32 matmul."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tornchat.engine import blocks
+from tornchat.weights import ggml
+
+pytestmark = pytest.mark.skipif(not blocks.available(), reason="the C++ extension is not built")
+
+QUANTIZED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+FLOATS = ["F32", "F16", "BF16"]
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+SIMPLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf's own quantizers make these
+
+
+def isas() -> list[str]:
+    return blocks.isas() if blocks.available() else ["generic"]
+
+
+def half_bytes(values: torch.Tensor) -> torch.Tensor:
+    return values.half().contiguous().view(torch.uint8).reshape(*values.shape, 2)
+
+
+def make_part(type_name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """uint8 [n, row_bytes] of type_name: gguf's quantizers on random normal values where it has them, random
+    bytes with sane fp16 scales for the K-quants, random values for the float types."""
+    gen = torch.Generator().manual_seed(seed)
+    if type_name in FLOATS:
+        return torch.randn(n, k, generator=gen).to(ggml.FLOATS[type_name]).contiguous().view(torch.uint8)
+    if type_name in SIMPLE:
+        from gguf import GGMLQuantizationType, quants
+
+        values = torch.randn(n, k, generator=gen).numpy()
+        return torch.from_numpy(np.ascontiguousarray(quants.quantize(values, GGMLQuantizationType[type_name])))
+    block = ggml.TYPES[type_name]
+    raw = torch.randint(0, 256, (n, k // 256, block.bytes), dtype=torch.uint8, generator=gen)
+    d = half_bytes(torch.rand(n, k // 256, generator=gen) * 0.01 + 0.001)
+    if type_name == "Q6_K":
+        raw[..., 208:210] = d
+    else:
+        raw[..., 0:2] = d
+        raw[..., 2:4] = half_bytes(torch.rand(n, k // 256, generator=gen) * 0.01)
+    return raw.reshape(n, -1).contiguous()
+
+
+def k_for(type_name: str) -> int:
+    return 512 if type_name in K_QUANTS else 288  # 288: 9 blocks of 32, a short last group of 8
+
+
+def check_close(x, parts, types, got):
+    want = blocks.reference_mm(x, parts, types)
+    scale = blocks.reference_terms(x, parts, types)
+    err = (got.double() - want).abs()
+    assert (err <= 1e-5 * scale + 1e-30).all(), f"max relative error {(err / scale.clamp_min(1e-30)).max():.3g}"
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("type_name", QUANTIZED + FLOATS)
+def test_matches_reference(type_name, isa):
+    k = k_for(type_name)
+    part = make_part(type_name, 37, k, seed=1)  # 37: a last tile of 4 columns with one
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(2))
+    got = blocks.mm(x, [part], [type_name], isa)
+    assert got.dtype == torch.float32 and got.shape == (5, 37)
+    check_close(x, [part], [type_name], got)
+
+
+@pytest.mark.parametrize("type_name", QUANTIZED + FLOATS)
+def test_paths_agree(type_name):
+    """Every path does the same fp32 operations on the same exact integers: the same bits."""
+    k = k_for(type_name)
+    part = make_part(type_name, 21, k, seed=3)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4))
+    outs = {isa: blocks.mm(x, [part], [type_name], isa) for isa in isas()}
+    for isa, out in outs.items():
+        assert torch.equal(out, outs["generic"]), isa
+
+
+def emulate_fp32(x: torch.Tensor, raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """The kernels' fixed fp32 order (csrc/blocks.cpp's semantics) in numpy, for Q8_0, Q4_1 and Q4_K: block
+    8g + j into lane j, lane = fma(float(dot), a * d, lane), then fma(m, d * s, lane); the lanes summed as
+    ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Each fma is a float64 multiply-add (the product of two
+    fp32 is exact there) rounded to fp32."""
+    q, d, s = blocks.quantize_activations_reference(x)
+    rows, k = x.shape
+    n, nb = raw.shape[0], k // 32
+    if type_name == "Q8_0":
+        blocks_ = raw.reshape(n, nb, 34)
+        levels = blocks_[..., 2:].contiguous().view(torch.int8).reshape(n, k)
+        a, m = blocks_[..., 0:2].contiguous().view(torch.float16).float()[..., 0], None
+    else:
+        levels, a, m = ggml.int4_levels(raw, type_name)
+    dots = (levels.long().reshape(1, n, nb, 32) * q.long().reshape(rows, 1, nb, 32)).sum(-1).numpy()  # [rows, n, nb]
+    f32 = np.float32
+    a, d = a.numpy().astype(f32), d.numpy().astype(f32)
+    ds = d * s.numpy().astype(f32)  # fp32 products
+    acc = np.zeros((rows, n, 8), dtype=f32)
+    for b in range(nb):
+        j = b % 8
+        scale = a[None, :, b] * d[:, None, b]  # fp32 [rows, n]
+        acc[..., j] = (dots[..., b].astype(np.float64) * scale + acc[..., j]).astype(f32)
+        if m is not None:
+            acc[..., j] = (m.numpy()[None, :, b].astype(np.float64) * ds[:, None, b] + acc[..., j]).astype(f32)
+    out = ((acc[..., 0] + acc[..., 4]) + (acc[..., 2] + acc[..., 6])) + ((acc[..., 1] + acc[..., 5]) + (acc[..., 3] + acc[..., 7]))
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q4_K"])
+def test_fixed_fp32_order(type_name):
+    """Bit for bit the fp32 operations the semantics name, on every path."""
+    k = k_for(type_name)
+    part = make_part(type_name, 9, k, seed=17)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(18))
+    want = emulate_fp32(x, part, type_name)
+    for isa in isas():
+        assert torch.equal(blocks.mm(x, [part], [type_name], isa), want), isa
+
+
+@pytest.mark.parametrize("type_name", QUANTIZED)
+def test_paths_agree_on_many_rows(type_name):
+    """37 rows: the amx path's tiles of 16 rows and its 5 rows left over, and the vector paths' row tiles."""
+    k = k_for(type_name)
+    part = make_part(type_name, 37, k, seed=19)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(20))
+    outs = {isa: blocks.mm(x, [part], [type_name], isa) for isa in isas()}
+    for isa, out in outs.items():
+        assert torch.equal(out, outs["generic"]), isa
+    check_close(x[:3], [part], [type_name], outs["generic"][:3])
+
+
+def stacked_parts():
+    """Q4_K_M's qkv: Q4_K q and k, Q6_K v; with a Q8_0 part for good measure."""
+    return [make_part("Q4_K", 24, 512, 5), make_part("Q4_K", 8, 512, 6), make_part("Q6_K", 9, 512, 7),
+            make_part("Q8_0", 6, 512, 8)], ["Q4_K", "Q4_K", "Q6_K", "Q8_0"]
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_batch_invariance(isa):
+    parts, types = stacked_parts()
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(512, 512, generator=gen) * torch.rand(512, 1, generator=gen) * 4
+    full = blocks.mm(x, parts, types, isa)
+    other = torch.randn(512, 512, generator=gen)
+    for count in (1, 2, 5, 8, 64):
+        for start in (0, 3, 512 - count):
+            got = blocks.mm(x[start : start + count], parts, types, isa)
+            assert torch.equal(got, full[start : start + count]), (count, start)
+            # the same row among other rows, at another place
+            mixed = other[:count].clone()
+            mixed[count // 2] = x[start]
+            assert torch.equal(blocks.mm(mixed, parts, types, isa)[count // 2], full[start]), (count, start)
+    check_close(x[:4], parts, types, full[:4])
+
+
+@pytest.mark.parametrize("isa", isas())
+def test_parts_and_threads(isa):
+    part = make_part("Q4_K", 200, 512, 10)  # several chunks of columns for the threads
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(11))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = blocks.mm(x, [part], ["Q4_K"], isa)
+        torch.set_num_threads(2)
+        two = blocks.mm(x, [part], ["Q4_K"], isa)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    split = blocks.mm(x, [part[:13], part[13:101], part[101:]], ["Q4_K"] * 3, isa)
+    assert torch.equal(split, one)
+
+
+def extreme_part(type_name: str, n: int, k: int, level_byte: int) -> torch.Tensor:
+    """Blocks whose level bytes are all level_byte (0x00 lowest, 0xFF highest, 0x80 Q8_0's -128), scales
+    0.5 (Q4_K, Q5_K: scale and minimum fields 63)."""
+    block = ggml.TYPES[type_name]
+    raw = torch.full((n, k // block.values, block.bytes), level_byte, dtype=torch.uint8)
+    half = half_bytes(torch.full((n, k // block.values), 0.5))
+    if type_name == "Q6_K":
+        raw[..., 192:208] = 127  # int8 scales
+        raw[..., 208:210] = half
+    elif type_name in ("Q4_K", "Q5_K"):
+        raw[..., 0:2] = half
+        raw[..., 2:4] = half
+        raw[..., 4:16] = 0xFF  # 6-bit scales and minimums 63
+    else:
+        raw[..., 0:2] = half
+        if type_name in ("Q4_1", "Q5_1"):
+            raw[..., 2:4] = half
+    return raw.reshape(n, -1).contiguous()
+
+
+@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("type_name", QUANTIZED)
+def test_saturation_worst_cases(type_name, isa):
+    """Activations all +-127 against the extreme levels: VPMADDUBSW's int16 pair sums must not saturate."""
+    k = 512
+    signs = torch.ones(4, k)
+    signs[1] = -1
+    signs[2, ::2] = -1
+    signs[3, 1::2] = -1
+    for level_byte in (0x00, 0xFF, 0x80, 0x7F):
+        part = extreme_part(type_name, 8, k, level_byte)
+        got = blocks.mm(signs, [part], [type_name], isa)
+        check_close(signs, [part], [type_name], got)
+
+
+def test_bf16_activations():
+    part = make_part("Q4_K", 16, 512, 12)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(13)).bfloat16()
+    assert torch.equal(blocks.mm(x, [part], ["Q4_K"]), blocks.mm(x.float(), [part], ["Q4_K"]))
+
+
+def test_zero_activations():
+    part = make_part("Q4_1", 8, 288, 14)
+    x = torch.zeros(2, 288)
+    assert torch.equal(blocks.mm(x, [part], ["Q4_1"]), torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("type_name", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_error_against_fp32_matmul(type_name):
+    """The activations' 8-bit rounding is small: outputs within ~1% of x @ dequantized W^T."""
+    part = make_part(type_name, 64, 512, 15)
+    x = torch.randn(16, 512, generator=torch.Generator().manual_seed(16))
+    exact = x @ ggml.dequantize(part, type_name).T
+    got = blocks.mm(x, [part], [type_name])
+    relative = (got - exact).norm() / exact.norm()
+    assert relative < 0.01, relative
+    assert ((got - exact).abs() / exact.abs().mean()).quantile(0.99) < 0.03
+
+
+def run_python(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_isa_choice():
+    assert blocks.isas()[-1] == "generic"
+    assert blocks.isa() == (os.environ.get("TORNCHAT_ISA") or blocks.isas()[0])
+    code = "from tornchat.engine import blocks; print(blocks.isa())"
+    if "avx2" in blocks.isas():
+        forced = run_python(code, TORNCHAT_ISA="avx2")
+        assert forced.returncode == 0 and forced.stdout.strip() == "avx2", forced.stderr
+    generic = run_python(code, TORNCHAT_ISA="generic")
+    assert generic.returncode == 0 and generic.stdout.strip() == "generic", generic.stderr
+    bogus = run_python(code, TORNCHAT_ISA="sse9")
+    assert bogus.returncode != 0 and "TORNCHAT_ISA='sse9'" in bogus.stderr and "generic" in bogus.stderr
+    with pytest.raises(RuntimeError, match="choices"):
+        blocks.mm(torch.randn(1, 288), [make_part("Q4_0", 4, 288)], ["Q4_0"], "sse9")
+
+
+def test_bad_shapes():
+    part = make_part("Q4_K", 4, 512)
+    with pytest.raises(RuntimeError, match="bytes"):
+        blocks.mm(torch.randn(1, 256), [part], ["Q4_K"])
+    with pytest.raises(RuntimeError, match="type"):
+        blocks.mm(torch.randn(1, 512), [part], [99])

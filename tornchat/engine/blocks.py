@@ -1,0 +1,119 @@
+"""Matrix products on GGUF blocks as the file stores them (csrc/blocks.cpp), with their references.
+
+``mm(x, parts, types)`` multiplies activations x [rows, K] by a weight matrix given as parts stacked by rows,
+each part uint8 [N_i, row_bytes] in a GGML type, exactly as a GGUF file stores the tensor: fp32 [rows, sum N_i].
+The quantized types never become floats in memory: the activations are quantized per block of 32 features to
+int8 (as llama.cpp's Q8 blocks), each weight block's dot product with them is an exact int32, and the fp32
+sums over blocks run in a fixed order per output. So every row's result has the same bits whatever the other
+rows of the call, their number, the thread count, the split into parts, and (by construction) the
+instruction-set path: a verify's or prefill's rows equal one-row decode steps.
+
+Every kernel here has a float64 reference (``quantize_activations_reference``, ``reference_mm``) that states
+its semantics; the tests hold the kernels to them within rounding.
+"""
+import functools
+import importlib
+
+import torch
+
+from tornchat.weights import ggml
+
+try:
+    from gguf import GGMLQuantizationType as _GGML
+
+    TYPE_IDS = {name: int(_GGML[name]) for name in ggml.TYPES}
+except ImportError:  # gguf is optional at run time; the ids are GGML's own (ggml.h's enum ggml_type)
+    TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
+                "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+TYPE_NAMES = {v: k for k, v in TYPE_IDS.items()}
+QK = 32  # features per activation block
+
+
+@functools.cache
+def _native():
+    """The compiled module (csrc/fused.cpp with csrc/blocks.cpp) where built, else None."""
+    try:
+        return importlib.import_module("tornchat.engine._fused")
+    except ImportError:
+        return None
+
+
+def available() -> bool:
+    """Whether the block kernels are built."""
+    return _native() is not None and hasattr(_native(), "block_mm")
+
+
+def isas() -> list[str]:
+    """The instruction-set paths this CPU runs, best first: some of "amx" (avx512vnni with AMX tiles for
+    every 16 rows), "avx512vnni", "avxvnni", "avx2", and always "generic" (plain C++). All give the same bits."""
+    return list(_native().block_isas())
+
+
+def isa() -> str:
+    """The path ``mm`` takes by default: the best of ``isas()``, or the one the environment variable
+    TORNCHAT_ISA names (an error where this CPU lacks it)."""
+    return _native().block_isa()
+
+
+def _type_id(t) -> int:
+    return TYPE_IDS[t] if isinstance(t, str) else int(t)
+
+
+def mm(x: torch.Tensor, parts, types, isa: str = "") -> torch.Tensor:
+    """x [rows, K] (fp32 or bf16) times the parts' [sum N_i, K] transposed -> fp32 [rows, sum N_i].
+
+    parts: uint8 [N_i, row_bytes] tensors of GGUF blocks; types: their GGML type names or ids. isa: one of
+    ``isas()``, or "" for ``isa()``. Semantics: ``reference_mm``. Threads split the output columns."""
+    return _native().block_mm(x, [p.contiguous() for p in parts], [_type_id(t) for t in types], isa)
+
+
+def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' activation quantization: x [rows, K] -> (q int8 [rows, K], d fp32 [rows, K / 32],
+    s int32 [rows, K / 32]).
+
+    Per row and block of 32 features: d = max |x| / 127 in fp32; q = round-half-even(x * (127 / max |x|))
+    with the factor and the product in fp32, clamped to [-127, 127] (0 where max |x| is 0); s = sum of q."""
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // QK, QK)
+    largest = blocks.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(largest > 0, torch.tensor(127.0) / largest, torch.zeros(()))
+    q = torch.round(blocks * inverse).clamp(-127, 127)
+    d = (largest / 127.0)[..., 0]
+    return q.to(torch.int8).reshape(rows, k), d, q.sum(dim=-1).to(torch.int32)
+
+
+def reference_mm(x: torch.Tensor, parts, types) -> torch.Tensor:
+    """``mm``'s semantics in float64 -> float64 [rows, sum N_i].
+
+    Float types (F32, F16, BF16): out = x @ W^T with x as given (not quantized).
+    Quantized types: out[r, n] = sum over blocks b of d[r, b] * sum over the block's 32 features of
+    W[n, k] * q[r, k], with W the dequantized weights (``tornchat.weights.ggml.dequantize``) and (q, d) from
+    ``quantize_activations_reference``. The kernels compute each block's integer dot of weight levels and q
+    exactly and differ from this only by fp32 rounding of the scales and of the sums, which they do in a
+    fixed order per output whatever the batch: 8 fp32 lanes, block 8g + j into lane j with a fused
+    multiply-add of the dot times (weight scale * d), then for types with minimums one of the minimum times
+    (d * s); the lanes summed as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Float types: feature k
+    into lane k % 8. See csrc/blocks.cpp."""
+    outs = []
+    rows, k = x.shape
+    q, d, _ = quantize_activations_reference(x)
+    xq = (q.double().reshape(rows, k // QK, QK) * d.double()[..., None]).reshape(rows, k)
+    for raw, t in zip(parts, types):
+        name = TYPE_NAMES[_type_id(t)]
+        w = ggml.dequantize(raw, name).double()
+        outs.append((x.double() if name in ggml.FLOATS else xq) @ w.T)
+    return torch.cat(outs, dim=1)
+
+
+def reference_terms(x: torch.Tensor, parts, types) -> torch.Tensor:
+    """The sum of the absolute values of ``reference_mm``'s products per output, float64 [rows, sum N_i]:
+    the scale of each output's rounding error."""
+    outs = []
+    rows, k = x.shape
+    q, d, _ = quantize_activations_reference(x)
+    xq = (q.double().reshape(rows, k // QK, QK) * d.double()[..., None]).reshape(rows, k)
+    for raw, t in zip(parts, types):
+        name = TYPE_NAMES[_type_id(t)]
+        w = ggml.dequantize(raw, name).double()
+        outs.append((x.double() if name in ggml.FLOATS else xq).abs() @ w.abs().T)
+    return torch.cat(outs, dim=1)

@@ -1,0 +1,1112 @@
+// Matrix products on GGUF blocks as the file stores them (contract: blocks.h).
+//
+// Semantics (tornchat/engine/blocks.py reference_mm computes the same in float64):
+//   The weight matrix is the parts stacked by rows; part i is uint8 [N_i, row_bytes], each row K / block_size
+//   consecutive GGML blocks exactly as a GGUF file stores them (ggml-common.h layouts; what the bytes mean is
+//   tornchat/weights/ggml.py dequantize). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16.
+//   All parts share K, a multiple of 32 (of 256 for the K-quants).
+//
+//   Activations x [rows, K] fp32 (bf16 is converted), per row and block b of 32 features:
+//     d[b] = max |x| / 127 (fp32), q[k] = round-half-even(x[k] * (127 / max |x|)) clamped to [-127, 127]
+//     (0 where max |x| is 0), s[b] = sum of q over the block (an exact integer). Each row is quantized once.
+//   Quantized types: a weight value is w = a[b] * (level - offset) + m[b] with, per 32-block (K-quants: per
+//   sub-block) of a weight row,
+//     Q4_0: a = d, offset 8, m = 0        Q4_1: a = d, m = min        Q5_0: a = d, offset 16
+//     Q5_1: a = d, m = min                Q8_0: a = d, signed levels  Q4_K/Q5_K: a = d * sc[j], m = -dmin * mn[j]
+//     Q6_K: two sub-blocks of 16 per 32-block, a = d * sc[j] (int8 sc), offset 32.
+//   Output (r, n): 8 fp32 lanes, zero at first; block b = 8g + j (groups g of 8 blocks, the last one possibly
+//   short) goes to lane j, in order of g:
+//       lane j = fma(float(dot[b]), a[b] * d[b], lane j)       (Q6_K: twice, the first 16 features' dot with
+//                                                               their sub-block's a, then the second 16's)
+//       lane j = fma(m[b], d[b] * s[b], lane j)                 (the types with minimums)
+//   where dot[b] is the exact int32 sum over the block's features of (level - offset) * q and each product
+//   a * d, d * s is rounded to fp32; at the end out = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+//   Every path (amx, avx512vnni, avxvnni, avx2, generic) does exactly these operations, so all paths give the
+//   same bits (the integer dots are exact whatever instructions compute them), and so does every row
+//   whatever the other rows of the call, their number, the thread count or the split of the matrix into
+//   parts (batch invariance).
+//   Float types: w in fp32 (exact from F16/BF16), the products summed with fused multiply-adds into 8 lanes,
+//   feature k into lane k % 8 in order of k, then the same 8-lane sum; x is not quantized.
+//
+// How: each int32 lane must hold one block's dot, so a group's 8 unpacked weight blocks (8 vectors of 32
+// levels) are transposed as 8 x 8 int32 once per column, and the activations are stored transposed the same
+// way when quantized (Acts::qt); then 8 VPDPBUSD (or VPMADDUBSW + VPMADDWD) steps give the 8 blocks' dots in
+// 8 lanes, and the fp32 work is 2-3 instructions per 8 blocks per (row, column). VPDPBUSD multiplies unsigned
+// by signed bytes: the levels are unsigned and the offsets enter as the accumulator's start, -offset * sum q
+// (exact); Q8_0 adds 128 to its levels on the VNNI paths and uses VPSIGNB on AVX2, where VPMADDUBSW's int16
+// pair sums stay below 2 * 128 * 127 = 32512 (at most 2 * 63 * 127 for the other types: no saturation).
+//
+// Built without -march: each x86 path is this file's second half compiled again under its own
+// `#pragma GCC target` (the file includes itself) and chosen at run time by __builtin_cpu_supports. The
+// generic path is plain C++ and the only one elsewhere. Threads split the output columns (at::parallel_for),
+// never K. Each kernel computes a tile of R rows by 4 columns: every weight block is unpacked and transposed
+// once for the R rows (R up to 8, AVX-512 16), each (row, column) its own chain. AVX-512 holds two columns
+// per 512-bit register, each half doing the 256-bit operations (one row alone takes the 256-bit code).
+// Weights are prefetched PREFETCH bytes ahead. The "amx" path is avx512vnni's with every 16 rows on AMX
+// tiles: TDPBUSD gives one block's exact dots for 16 columns x 16 rows, then the same fp32 operations
+// (amx_columns), so it too gives the same bits; block_isas() lists it first where the CPU and the kernel
+// (arch_prctl ARCH_REQ_XCOMP_PERM) allow it. TORNCHAT_ISA=avx512vnni turns it off.
+#ifndef TORNCHAT_BLOCKS_PASS
+#include "blocks.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(TORNCHAT_GENERIC_ONLY)
+#include <immintrin.h>
+#define TORNCHAT_X86 1
+#ifdef __linux__
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
+namespace tornchat {
+namespace blocks_detail {
+
+constexpr int64_t QK = 32;  // features per activation block
+constexpr int COLS = 4;  // output columns per kernel tile
+
+inline float half_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+inline float bf16_to_float(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct TypeInfo {
+  int64_t values, bytes;
+};
+
+inline bool type_info(int64_t type, TypeInfo& info) {
+  switch (type) {
+    case F32: info = {1, 4}; return true;
+    case F16: info = {1, 2}; return true;
+    case BF16: info = {1, 2}; return true;
+    case Q4_0: info = {32, 18}; return true;
+    case Q4_1: info = {32, 20}; return true;
+    case Q5_0: info = {32, 22}; return true;
+    case Q5_1: info = {32, 24}; return true;
+    case Q8_0: info = {32, 34}; return true;
+    case Q4_K: info = {256, 144}; return true;
+    case Q5_K: info = {256, 176}; return true;
+    case Q6_K: info = {256, 210}; return true;
+    default: return false;
+  }
+}
+
+constexpr bool is_float(int64_t type) { return type == F32 || type == F16 || type == BF16; }
+
+// The activations of every row, quantized once per call.
+struct Acts {
+  int64_t rows = 0, k = 0, nb = 0, nbp = 0;  // nbp: blocks padded to a multiple of 8
+  std::vector<int8_t> q;  // [rows, K]
+  // [rows, nbp * 32], per group of 8 blocks and step t of 4 features: 32 bytes whose 4-byte lane i holds
+  // features 4t..4t+3 of block i (zero past nb): the layout that gives each int32 lane one block's dot
+  std::vector<int8_t> qt;
+  std::vector<float> d;  // [rows, nbp], zero past nb
+  std::vector<float> ds;  // [rows, nbp]: d * s (fp32), zero past nb
+  std::vector<int32_t> neg_sums;  // [rows, nbp]: -s
+  std::vector<int32_t> neg_first, neg_second;  // [rows, nbp]: minus the sums of q over features 0-15, 16-31
+  // The amx path's, per 16 rows (rows / 16 tiles) and block: q as its tiles take it, [t][row][4 features]
+  // (512 bytes), and d, d * s, -s, -(first 16), -(second 16) of the 16 rows
+  std::vector<int8_t> qv;
+  std::vector<float> tile_d, tile_ds;
+  std::vector<int32_t> tile_sums, tile_first, tile_second;
+};
+
+// Fills the amx path's part of a (the rows / 16 whole tiles of 16 rows).
+inline void tile_rows(Acts& a) {
+  const int64_t tiles = a.rows / 16;
+  a.qv.resize(tiles * a.nb * 512);
+  for (auto* v : {&a.tile_d, &a.tile_ds}) v->resize(tiles * a.nb * 16);
+  for (auto* v : {&a.tile_sums, &a.tile_first, &a.tile_second}) v->resize(tiles * a.nb * 16);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t tile = t0; tile < t1; ++tile)
+      for (int64_t b = 0; b < a.nb; ++b) {
+        int8_t* dst = a.qv.data() + (tile * a.nb + b) * 512;
+        for (int m = 0; m < 16; ++m) {
+          const int64_t r = tile * 16 + m, at = r * a.nbp + b, to = (tile * a.nb + b) * 16 + m;
+          for (int t = 0; t < 8; ++t) std::memcpy(dst + 64 * t + 4 * m, a.q.data() + r * a.k + b * QK + 4 * t, 4);
+          a.tile_d[to] = a.d[at], a.tile_ds[to] = a.ds[at];
+          a.tile_sums[to] = a.neg_sums[at], a.tile_first[to] = a.neg_first[at], a.tile_second[to] = a.neg_second[at];
+        }
+      }
+  });
+}
+
+// Everything a kernel needs for one part's columns.
+struct Job {
+  int64_t type, k, nb, row_bytes, n_total, col_offset;
+  const uint8_t* w;  // the part's rows
+  const Acts* a;
+  const float* xf;  // fp32 x [rows, K] (float types)
+  float* out;  // [rows, n_total]
+  bool amx;  // AMX tiles for every 16 rows (the amx path: avx512vnni's, the same bits)
+};
+
+// Per group of 8 blocks of one weight row: the scales a (ws), the minimums m (wm), Q6_K's 16 sub-block
+// scales (wsc). Lanes past the row's blocks are zero.
+template <int64_t T>
+inline __attribute__((always_inline)) void decode_meta(const uint8_t* row, int64_t g, int nj, float* ws, float* wm,
+                                                       float* wsc) {
+  if (T == Q4_K || T == Q5_K || T == Q6_K) {
+    if (T == Q6_K) {
+      const uint8_t* sb = row + g * 210;
+      const float d = half_to_float(sb + 208);
+      for (int i = 0; i < 16; ++i) wsc[i] = d * static_cast<float>(static_cast<int8_t>(sb[192 + i]));
+      return;
+    }
+    const uint8_t* sb = row + g * (T == Q4_K ? 144 : 176);
+    const float d = half_to_float(sb), dmin = half_to_float(sb + 2);
+    const uint8_t* s = sb + 4;
+    for (int j = 0; j < 4; ++j) {
+      ws[j] = d * static_cast<float>(s[j] & 63);
+      wm[j] = -dmin * static_cast<float>(s[4 + j] & 63);
+      ws[4 + j] = d * static_cast<float>((s[8 + j] & 0xF) | ((s[j] >> 6) << 4));
+      wm[4 + j] = -dmin * static_cast<float>((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
+    }
+    return;
+  }
+  constexpr int64_t bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  for (int j = 0; j < 8; ++j) {
+    if (j < nj) {
+      const uint8_t* blk = row + (g * 8 + j) * bytes;
+      ws[j] = half_to_float(blk);
+      wm[j] = (T == Q4_1 || T == Q5_1) ? half_to_float(blk + 2) : 0.0f;
+    } else {
+      ws[j] = 0.0f, wm[j] = 0.0f;
+    }
+  }
+}
+
+constexpr bool has_min(int64_t t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }
+constexpr int offset_shift(int64_t t) {  // log2 of the offset subtracted from the levels, -1 for none
+  return t == Q4_0 ? 3 : t == Q5_0 ? 4 : t == Q6_K ? 5 : -1;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The generic path: plain C++, one (row, column) at a time, the same operations as the vector paths.
+
+template <int64_t T>
+void generic_levels(const uint8_t* row, int64_t g, int j, int32_t* lv) {  // 32 signed levels (minus offset)
+  const int64_t b = g * 8 + j;
+  if (T == Q4_0 || T == Q4_1 || T == Q5_0 || T == Q5_1) {
+    const int64_t bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 24;
+    const uint8_t* blk = row + b * bytes;
+    const uint8_t* qs = blk + (T == Q4_0 ? 2 : T == Q4_1 ? 4 : T == Q5_0 ? 6 : 8);
+    uint32_t qh = 0;
+    if (T == Q5_0 || T == Q5_1) std::memcpy(&qh, blk + (T == Q5_0 ? 2 : 4), 4);
+    for (int i = 0; i < 32; ++i) {
+      int v = i < 16 ? (qs[i] & 0xF) : (qs[i - 16] >> 4);
+      if (T == Q5_0 || T == Q5_1) v |= ((qh >> i) & 1) << 4;
+      lv[i] = v - (T == Q4_0 ? 8 : T == Q5_0 ? 16 : 0);
+    }
+  } else if (T == Q8_0) {
+    const uint8_t* blk = row + b * 34;
+    for (int i = 0; i < 32; ++i) lv[i] = static_cast<int8_t>(blk[2 + i]);
+  } else if (T == Q4_K || T == Q5_K) {
+    const uint8_t* sb = row + g * (T == Q4_K ? 144 : 176);
+    const uint8_t* qs = sb + (T == Q4_K ? 16 : 48) + 32 * (j / 2);
+    for (int i = 0; i < 32; ++i) {
+      int v = (j & 1) ? (qs[i] >> 4) : (qs[i] & 0xF);
+      if (T == Q5_K) v |= ((sb[16 + i] >> j) & 1) << 4;
+      lv[i] = v;
+    }
+  } else if (T == Q6_K) {
+    const uint8_t* sb = row + g * 210;
+    const int half = j / 4, nib = (j >> 1) & 1, part = j & 1;
+    const uint8_t* ql = sb + half * 64 + part * 32;
+    const uint8_t* qh = sb + 128 + half * 32;
+    for (int i = 0; i < 32; ++i)
+      lv[i] = (((ql[i] >> (4 * nib)) & 0xF) | (((qh[i] >> (2 * (j & 3))) & 3) << 4)) - 32;
+  }
+}
+
+inline float lane_sum(const float* a) {
+  const float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];
+  return (b0 + b2) + (b1 + b3);
+}
+
+template <int64_t T>
+void generic_quant(const Job& jb, int64_t c0, int64_t c1) {
+  const Acts& a = *jb.a;
+  const int64_t ng = (jb.nb + 7) / 8;
+  for (int64_t c = c0; c < c1; ++c) {
+    const uint8_t* row = jb.w + c * jb.row_bytes;
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const int8_t* q = a.q.data() + r * a.k;
+      const float* d = a.d.data() + r * a.nbp;
+      const float* ds = a.ds.data() + r * a.nbp;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t g = 0; g < ng; ++g) {
+        const int nj = static_cast<int>(std::min<int64_t>(8, jb.nb - g * 8));
+        float ws[8], wm[8], wsc[16];
+        decode_meta<T>(row, g, nj, ws, wm, wsc);
+        for (int j = 0; j < 8; ++j) {
+          const int64_t b = g * 8 + j;
+          int32_t dots[2] = {0, 0};  // features 0-15, 16-31
+          if (j < nj) {
+            int32_t lv[32];
+            generic_levels<T>(row, g, j, lv);
+            for (int i = 0; i < 32; ++i) dots[i / 16] += lv[i] * q[b * QK + i];
+          }
+          if (T == Q6_K) {
+            acc[j] = std::fma(static_cast<float>(dots[0]), wsc[2 * j] * d[b], acc[j]);
+            acc[j] = std::fma(static_cast<float>(dots[1]), wsc[2 * j + 1] * d[b], acc[j]);
+          } else {
+            acc[j] = std::fma(static_cast<float>(dots[0] + dots[1]), ws[j] * d[b], acc[j]);
+          }
+          if (has_min(T)) acc[j] = std::fma(wm[j], ds[b], acc[j]);
+        }
+      }
+      jb.out[r * jb.n_total + jb.col_offset + c] = lane_sum(acc);
+    }
+  }
+}
+
+template <int64_t T>
+void generic_float(const Job& jb, int64_t c0, int64_t c1) {
+  const int64_t rows = jb.a->rows;
+  for (int64_t c = c0; c < c1; ++c) {
+    const uint8_t* row = jb.w + c * jb.row_bytes;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* x = jb.xf + r * jb.k;
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      for (int64_t k = 0; k < jb.k; ++k) {
+        float w;
+        if (T == F32) std::memcpy(&w, row + 4 * k, 4);
+        else if (T == F16) w = half_to_float(row + 2 * k);
+        else w = bf16_to_float(row + 2 * k);
+        acc[k % 8] = std::fma(w, x[k], acc[k % 8]);
+      }
+      jb.out[r * jb.n_total + jb.col_offset + c] = lane_sum(acc);
+    }
+  }
+}
+
+void generic_run(const Job& jb, int64_t c0, int64_t c1) {
+  switch (jb.type) {
+    case Q4_0: return generic_quant<Q4_0>(jb, c0, c1);
+    case Q4_1: return generic_quant<Q4_1>(jb, c0, c1);
+    case Q5_0: return generic_quant<Q5_0>(jb, c0, c1);
+    case Q5_1: return generic_quant<Q5_1>(jb, c0, c1);
+    case Q8_0: return generic_quant<Q8_0>(jb, c0, c1);
+    case Q4_K: return generic_quant<Q4_K>(jb, c0, c1);
+    case Q5_K: return generic_quant<Q5_K>(jb, c0, c1);
+    case Q6_K: return generic_quant<Q6_K>(jb, c0, c1);
+    case F32: return generic_float<F32>(jb, c0, c1);
+    case F16: return generic_float<F16>(jb, c0, c1);
+    case BF16: return generic_float<BF16>(jb, c0, c1);
+  }
+}
+
+}  // namespace blocks_detail
+}  // namespace tornchat
+
+// ---------------------------------------------------------------------------------------------------------
+// The x86 paths: the second half of this file, once per instruction set.
+#ifdef TORNCHAT_X86
+#define TORNCHAT_BLOCKS_PASS 1
+
+#define PASS_NS avx2_path
+#define PASS_VNNI 0
+#define PASS_RMAX 8
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2")
+#include "blocks.cpp"  // this file again (its directory is searched first), under the target above
+#pragma GCC pop_options
+#undef PASS_NS
+#undef PASS_VNNI
+#undef PASS_RMAX
+
+#define PASS_NS avxvnni_path
+#define PASS_VNNI 1
+#define PASS_RMAX 8
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2,avxvnni")
+#include "blocks.cpp"  // this file again (its directory is searched first), under the target above
+#pragma GCC pop_options
+#undef PASS_NS
+#undef PASS_VNNI
+#undef PASS_RMAX
+
+#define PASS_NS avx512vnni_path
+#define PASS_VNNI 2
+#define PASS_RMAX 16
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")
+#include "blocks.cpp"  // this file again (its directory is searched first), under the target above
+#pragma GCC pop_options
+#undef PASS_NS
+#undef PASS_VNNI
+#undef PASS_RMAX
+#endif  // TORNCHAT_X86
+
+// ---------------------------------------------------------------------------------------------------------
+// Dispatch, quantization of the activations, Python bindings.
+namespace tornchat {
+
+using namespace blocks_detail;
+
+namespace {
+
+enum class Isa { generic, avx2, avxvnni, avx512vnni, amx };
+
+const char* isa_name(Isa i) {
+  switch (i) {
+    case Isa::amx: return "amx";
+    case Isa::avx512vnni: return "avx512vnni";
+    case Isa::avxvnni: return "avxvnni";
+    case Isa::avx2: return "avx2";
+    default: return "generic";
+  }
+}
+
+std::vector<Isa> detected() {
+  std::vector<Isa> out;
+#ifdef TORNCHAT_X86
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2");
+  if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vnni"))
+  {
+#ifdef __linux__
+    if (__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") && avx512vnni_path::amx_enable())
+      out.push_back(Isa::amx);
+#endif
+    out.push_back(Isa::avx512vnni);
+  }
+  if (avx2 && __builtin_cpu_supports("avxvnni")) out.push_back(Isa::avxvnni);
+  if (avx2) out.push_back(Isa::avx2);
+#endif
+  out.push_back(Isa::generic);
+  return out;
+}
+
+const std::vector<Isa>& cpu_isas() {
+  static const std::vector<Isa> isas = detected();
+  return isas;
+}
+
+std::string choices() {
+  std::string s;
+  for (Isa i : cpu_isas()) s += (s.empty() ? "" : ", ") + std::string(isa_name(i));
+  return s;
+}
+
+Isa parse_isa(const std::string& name, const char* what) {
+  for (Isa i : cpu_isas())
+    if (name == isa_name(i)) return i;
+  TORCH_CHECK(false, what, "='", name, "' is not an instruction-set path this CPU runs; choices: ", choices());
+  return Isa::generic;
+}
+
+Isa chosen_isa() {
+  const char* env = std::getenv("TORNCHAT_ISA");
+  if (env != nullptr && *env != '\0') return parse_isa(env, "TORNCHAT_ISA");
+  return cpu_isas().front();
+}
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, Acts& a) {
+  a.rows = rows, a.k = k, a.nb = k / QK, a.nbp = (a.nb + 7) / 8 * 8;
+  a.q.resize(rows * k);
+  a.qt.assign(rows * a.nbp * QK, 0);
+  a.d.assign(rows * a.nbp, 0.0f);
+  a.ds.assign(rows * a.nbp, 0.0f);
+  a.neg_sums.assign(rows * a.nbp, 0);
+  a.neg_first.assign(rows * a.nbp, 0);
+  a.neg_second.assign(rows * a.nbp, 0);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const float* xb = x + r * k + b * QK;
+        float largest = 0.0f;
+        for (int i = 0; i < QK; ++i) largest = std::max(largest, std::fabs(xb[i]));
+        const float inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
+        int8_t* q = a.q.data() + r * k + b * QK;
+        int32_t sums[2] = {0, 0};
+        for (int i = 0; i < QK; ++i) {
+          float v = std::nearbyint(xb[i] * inverse);  // the default rounding: to nearest, ties to even
+          v = std::min(127.0f, std::max(-127.0f, v));
+          q[i] = static_cast<int8_t>(v);
+          sums[i / 16] += q[i];
+        }
+        int8_t* qt = a.qt.data() + r * a.nbp * QK + (b / 8) * 256 + (b % 8) * 4;
+        for (int t = 0; t < 8; ++t) std::memcpy(qt + 32 * t, q + 4 * t, 4);
+        const float d = largest / 127.0f;
+        const int64_t at = r * a.nbp + b;
+        a.d[at] = d;
+        a.ds[at] = d * static_cast<float>(sums[0] + sums[1]);
+        a.neg_sums[at] = -(sums[0] + sums[1]);
+        a.neg_first[at] = -sums[0];
+        a.neg_second[at] = -sums[1];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+std::vector<std::string> block_isas() {
+  std::vector<std::string> out;
+  for (Isa i : cpu_isas()) out.push_back(isa_name(i));
+  return out;
+}
+
+std::string block_isa() { return isa_name(chosen_isa()); }
+
+at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
+                    const std::string& isa_name_) {
+  const Isa isa = isa_name_.empty() ? chosen_isa() : parse_isa(isa_name_, "isa");
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "block_mm: one type per part, at least one part");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "block_mm: x must be a CPU tensor [rows, K]");
+  const int64_t k = x.size(1), rows = x.size(0);
+  TORCH_CHECK(k % QK == 0, "block_mm: K must be a multiple of 32");
+  int64_t n_total = 0;
+  bool any_quant = false, any_float = false;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    TypeInfo info;
+    TORCH_CHECK(type_info(types[i], info), "block_mm: unsupported GGML type id ", types[i]);
+    const auto& p = parts[i];
+    TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kByte && p.dim() == 2 && p.is_contiguous(),
+                "block_mm: each part must be a contiguous CPU uint8 tensor [N_i, row_bytes]");
+    TORCH_CHECK(k % info.values == 0 && p.size(1) == k / info.values * info.bytes, "block_mm: part ", i,
+                "'s rows hold ", p.size(1), " bytes, not K = ", k, " values of type ", types[i]);
+    n_total += p.size(0);
+    (is_float(types[i]) ? any_float : any_quant) = true;
+  }
+  const auto xf = x.to(at::kFloat).contiguous();
+  auto out = at::empty({rows, n_total}, xf.options());
+  if (rows == 0 || n_total == 0) return out;
+  Acts acts;
+  if (any_quant) quantize_rows(xf.data_ptr<float>(), rows, k, acts);
+  if (any_quant && isa == Isa::amx && rows >= 16) tile_rows(acts);
+  acts.rows = rows, acts.k = k;
+
+  // Chunks of columns, each within one part, that the threads share.
+  constexpr int64_t CHUNK = 32;
+  std::vector<Job> jobs;
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // (job, first column)
+  int64_t offset = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    TypeInfo info;
+    type_info(types[i], info);
+    jobs.push_back(Job{types[i], k, k / QK, parts[i].size(1), n_total, offset, parts[i].data_ptr<uint8_t>(), &acts,
+                       xf.data_ptr<float>(), out.data_ptr<float>(), isa == Isa::amx});
+    for (int64_t c = 0; c < parts[i].size(0); c += CHUNK) chunks.emplace_back(jobs.size() - 1, c);
+    offset += parts[i].size(0);
+  }
+  (void)any_float;
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const Job& jb = jobs[chunks[i].first];
+      const int64_t c0 = chunks[i].second;
+      const int64_t c1 = std::min(c0 + CHUNK, parts[chunks[i].first].size(0));
+      switch (isa) {
+#ifdef TORNCHAT_X86
+        case Isa::amx:
+        case Isa::avx512vnni: avx512vnni_path::run(jb, c0, c1); break;
+        case Isa::avxvnni: avxvnni_path::run(jb, c0, c1); break;
+        case Isa::avx2: avx2_path::run(jb, c0, c1); break;
+#endif
+        default: generic_run(jb, c0, c1);
+      }
+    }
+  });
+  return out;
+}
+
+void define_blocks(pybind11::module_& m) {
+  namespace py = pybind11;
+  m.def("block_isas", &block_isas, "the instruction-set paths of the block kernels this CPU runs, best first");
+  m.def("block_isa", &block_isa, "the path block_mm takes by default (TORNCHAT_ISA's where set)");
+  m.def("block_mm", &block_mm, "x [rows, K] times GGUF-block weights' parts transposed: fp32 [rows, N]",
+        py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("isa") = "",
+        py::call_guard<py::gil_scoped_release>());
+}
+
+}  // namespace tornchat
+
+#else  // TORNCHAT_BLOCKS_PASS: one x86 path, compiled under its own target
+
+namespace tornchat {
+namespace blocks_detail {
+namespace PASS_NS {
+
+#ifndef TORNCHAT_PREFETCH
+#define TORNCHAT_PREFETCH 8192
+#endif
+constexpr int PREFETCH = TORNCHAT_PREFETCH;  // bytes ahead in each column's stream
+
+inline __attribute__((always_inline)) __m256i nibbles32(const uint8_t* p) {  // 16 bytes -> 32 levels
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+inline __attribute__((always_inline)) __m256i bits32(const uint8_t* p) {  // 32 bits -> 32 bytes of 0x10 or 0
+  uint32_t x32;
+  std::memcpy(&x32, p, 4);
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(x32)), shuffle);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+// Block j of group g of a weight row: 32 unsigned levels (Q8_0: signed, see dot).
+template <int64_t T>
+inline __attribute__((always_inline)) __m256i levels(const uint8_t* row, int64_t g, int j) {
+  const int64_t b = g * 8 + j;
+  if (T == Q4_0) return nibbles32(row + b * 18 + 2);
+  if (T == Q4_1) return nibbles32(row + b * 20 + 4);
+  if (T == Q5_0) return _mm256_or_si256(nibbles32(row + b * 22 + 6), bits32(row + b * 22 + 2));
+  if (T == Q5_1) return _mm256_or_si256(nibbles32(row + b * 24 + 8), bits32(row + b * 24 + 4));
+  if (T == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 34 + 2));
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if (T == Q4_K || T == Q5_K) {
+    const uint8_t* sb = row + g * (T == Q4_K ? 144 : 176);
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + (T == Q4_K ? 16 : 48) + 32 * (j / 2)));
+    __m256i v = _mm256_and_si256((j & 1) ? _mm256_srli_epi16(qs, 4) : qs, low4);
+    if (T == Q5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 16));
+      const __m256i h = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
+      v = _mm256_or_si256(v, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+    }
+    return v;
+  }
+  // Q6_K
+  const uint8_t* sb = row + g * 210;
+  const int half = j / 4, nib = (j >> 1) & 1, part = j & 1, shift = 2 * (j & 3);
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + half * 64 + part * 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + half * 32));
+  const __m256i lo = _mm256_and_si256(nib ? _mm256_srli_epi16(ql, 4) : ql, low4);
+  const __m256i hi = shift <= 4 ? _mm256_slli_epi16(qh, 4 - shift) : _mm256_srli_epi16(qh, shift - 4);
+  return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+}
+
+// The 8 exact int32 lanes: init + sum over 4 features of level * q.
+inline __attribute__((always_inline)) __m256i dot(__m256i init, __m256i u, __m256i x) {
+#if PASS_VNNI == 2
+  return _mm256_dpbusd_epi32(init, u, x);
+#elif PASS_VNNI == 1
+  return _mm256_dpbusd_avx_epi32(init, u, x);
+#else
+  // levels <= 63 (or |Q8_0| <= 128) times |q| <= 127: pairs stay within int16
+  return _mm256_add_epi32(init, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline __attribute__((always_inline)) float lanes8(__m256 a) {
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // l0+l4, l1+l5, ...
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));  // (l0+l4)+(l2+l6), (l1+l5)+(l3+l7)
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
+}
+
+// Group g's scales a (ws) and minimums m (wm) of a weight row, lanes past nj zero; Q6_K: its 16 sub-block
+// scales (lo: the first 16 features' of each block, hi: the second 16's). The same values decode_meta gives.
+inline __attribute__((always_inline)) __m256 halves(__m256i v) {  // the low 16 bits of each lane -> 8 fp32
+  const __m256i packed = _mm256_packus_epi32(v, v);  // per 128 bits: l0-3 l0-3 | l4-7 l4-7
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
+
+template <int64_t T>
+inline __attribute__((always_inline)) void meta(const uint8_t* row, int64_t g, int nj, __m256& ws, __m256& wm,
+                                                __m256& lo, __m256& hi) {
+  ws = wm = lo = hi = _mm256_setzero_ps();
+  if constexpr (T == Q6_K) {
+    const uint8_t* sb = row + g * 210;
+    uint16_t h;
+    std::memcpy(&h, sb + 208, 2);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss(h));
+    const __m128i sc = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 192)),
+                                        _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+    lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));  // sub-blocks 0, 2, ..., 14
+    hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));  // 1, 3, ..., 15
+  } else if constexpr (T == Q4_K || T == Q5_K) {
+    const uint8_t* sb = row + g * (T == Q4_K ? 144 : 176);
+    uint16_t h[2];
+    std::memcpy(h, sb, 4);
+    uint32_t u[3];
+    std::memcpy(u, sb + 4, 12);
+    const uint32_t s_lo = u[0] & 0x3f3f3f3f, s_hi = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    const uint32_t m_lo = u[1] & 0x3f3f3f3f, m_hi = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const __m128i sc = _mm_cvtsi64_si128(static_cast<int64_t>(s_lo | (static_cast<uint64_t>(s_hi) << 32)));
+    const __m128i mn = _mm_cvtsi64_si128(static_cast<int64_t>(m_lo | (static_cast<uint64_t>(m_hi) << 32)));
+    ws = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(h[0])), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
+    wm = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(h[1])), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
+  } else {
+    constexpr int bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+    const __m256i at = _mm256_setr_epi32(0, bytes, 2 * bytes, 3 * bytes, 4 * bytes, 5 * bytes, 6 * bytes, 7 * bytes);
+    const int* base = reinterpret_cast<const int*>(row + g * 8 * bytes);
+    __m256i words;  // per block: d in the low half, the minimum (Q4_1, Q5_1) in the high half
+    if (nj == 8) {
+      words = _mm256_i32gather_epi32(base, at, 1);
+    } else {
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nj), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), base, at, mask, 1);
+    }
+    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+    ws = halves(_mm256_and_si256(words, low16));
+    if constexpr (T == Q4_1 || T == Q5_1) wm = halves(_mm256_srli_epi32(words, 16));
+  }
+}
+
+// 8 vectors of 8 int32 lanes -> lane i of vector t is lane t of vector i.
+inline __attribute__((always_inline)) void transpose8(__m256i* v) {
+  const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(v[4], v[5]), t5 = _mm256_unpackhi_epi32(v[4], v[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(v[6], v[7]), t7 = _mm256_unpackhi_epi32(v[6], v[7]);
+  const __m256i s0 = _mm256_unpacklo_epi64(t0, t2), s1 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i s2 = _mm256_unpacklo_epi64(t1, t3), s3 = _mm256_unpackhi_epi64(t1, t3);
+  const __m256i s4 = _mm256_unpacklo_epi64(t4, t6), s5 = _mm256_unpackhi_epi64(t4, t6);
+  const __m256i s6 = _mm256_unpacklo_epi64(t5, t7), s7 = _mm256_unpackhi_epi64(t5, t7);
+  v[0] = _mm256_permute2x128_si256(s0, s4, 0x20), v[4] = _mm256_permute2x128_si256(s0, s4, 0x31);
+  v[1] = _mm256_permute2x128_si256(s1, s5, 0x20), v[5] = _mm256_permute2x128_si256(s1, s5, 0x31);
+  v[2] = _mm256_permute2x128_si256(s2, s6, 0x20), v[6] = _mm256_permute2x128_si256(s2, s6, 0x31);
+  v[3] = _mm256_permute2x128_si256(s3, s7, 0x20), v[7] = _mm256_permute2x128_si256(s3, s7, 0x31);
+}
+
+constexpr int64_t group_bytes(int64_t T) {
+  return T == Q4_0 ? 144 : T == Q4_1 ? 160 : T == Q5_0 ? 176 : T == Q5_1 ? 192 : T == Q8_0 ? 272 :
+         T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
+}
+
+struct RowPtrs {  // one row of the quantized activations
+  const int8_t* qt;
+  const float *d, *ds;
+  const int32_t *sums, *first, *second;
+};
+
+// Group g for R rows and the tile's columns: lane i of each int32 accumulator is block 8g + i's exact dot,
+// summed over 8 steps of 4 features (the weights transposed once per column, the activations stored so).
+template <int64_t T, int R, int NJ>
+inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, int64_t g, int nj, const RowPtrs* x,
+                                                       __m256 (*acc)[COLS]) {
+  constexpr int sh = offset_shift(T);
+  if (NJ) nj = NJ;
+  for (int c = 0; c < COLS; ++c) {
+    for (int off = 0; off < group_bytes(T); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w[c] + g * group_bytes(T) + PREFETCH + off), _MM_HINT_T0);
+    __m256 ws, wm, lo, hi;
+    meta<T>(w[c], g, nj, ws, wm, lo, hi);
+    __m256i v[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) v[j] = j < nj ? levels<T>(w[c], g, j) : _mm256_setzero_si256();
+    transpose8(v);
+#if PASS_VNNI == 0
+    __m256i v_abs[8];
+    if constexpr (T == Q8_0)
+      for (int t = 0; t < 8; ++t) v_abs[t] = _mm256_sign_epi8(v[t], v[t]);
+#else
+    if constexpr (T == Q8_0)
+      for (int t = 0; t < 8; ++t) v[t] = _mm256_xor_si256(v[t], _mm256_set1_epi8(static_cast<char>(0x80)));
+#endif
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xt = x[r].qt + g * 256;
+#define xs(t) _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + 32 * (t)))
+      const __m256 d = _mm256_loadu_ps(x[r].d + g * 8);
+      __m256 a = acc[r][c];
+      if constexpr (T == Q6_K) {
+        __m256i first = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].first + g * 8)), sh);
+        __m256i second = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].second + g * 8)), sh);
+        for (int t = 0; t < 4; ++t) first = dot(first, v[t], xs(t));
+        for (int t = 4; t < 8; ++t) second = dot(second, v[t], xs(t));
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(lo, d), a);
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), _mm256_mul_ps(hi, d), a);
+      } else {
+        __m256i sum;
+        if constexpr (sh >= 0 || (T == Q8_0 && PASS_VNNI))
+          sum = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].sums + g * 8)), sh >= 0 ? sh : 7);
+        else
+          sum = _mm256_setzero_si256();
+#if PASS_VNNI == 0
+        if constexpr (T == Q8_0) {
+          for (int t = 0; t < 8; ++t)
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(v_abs[t], _mm256_sign_epi8(xs(t), v[t])),
+                                                          _mm256_set1_epi16(1)));
+        } else
+#endif
+        {
+          for (int t = 0; t < 8; ++t) sum = dot(sum, v[t], xs(t));
+        }
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, d), a);
+      }
+#undef xs
+      if constexpr (has_min(T)) a = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x[r].ds + g * 8), a);
+      acc[r][c] = a;
+    }
+  }
+}
+
+#if PASS_VNNI == 2
+// AVX-512: two columns per 512-bit register, each half doing exactly the 256-bit code's operations on its
+// column (the same bits), so that each instruction serves two (row, column) chains.
+inline __attribute__((always_inline)) void transpose8x2(__m512i* v) {
+  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+  const __m512i t4 = _mm512_unpacklo_epi32(v[4], v[5]), t5 = _mm512_unpackhi_epi32(v[4], v[5]);
+  const __m512i t6 = _mm512_unpacklo_epi32(v[6], v[7]), t7 = _mm512_unpackhi_epi32(v[6], v[7]);
+  const __m512i s0 = _mm512_unpacklo_epi64(t0, t2), s1 = _mm512_unpackhi_epi64(t0, t2);
+  const __m512i s2 = _mm512_unpacklo_epi64(t1, t3), s3 = _mm512_unpackhi_epi64(t1, t3);
+  const __m512i s4 = _mm512_unpacklo_epi64(t4, t6), s5 = _mm512_unpackhi_epi64(t4, t6);
+  const __m512i s6 = _mm512_unpacklo_epi64(t5, t7), s7 = _mm512_unpackhi_epi64(t5, t7);
+  const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  v[0] = _mm512_permutex2var_epi64(s0, low, s4), v[4] = _mm512_permutex2var_epi64(s0, high, s4);
+  v[1] = _mm512_permutex2var_epi64(s1, low, s5), v[5] = _mm512_permutex2var_epi64(s1, high, s5);
+  v[2] = _mm512_permutex2var_epi64(s2, low, s6), v[6] = _mm512_permutex2var_epi64(s2, high, s6);
+  v[3] = _mm512_permutex2var_epi64(s3, low, s7), v[7] = _mm512_permutex2var_epi64(s3, high, s7);
+}
+
+inline __attribute__((always_inline)) __m512 join(__m256 a, __m256 b) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
+}
+
+inline __attribute__((always_inline)) __m512i wide(const void* p) {  // 32 bytes in both halves
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int64_t T, int R, int NJ>
+inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* w, int64_t g, int nj, const RowPtrs* x,
+                                                          __m512 (*acc)[COLS / 2]) {
+  constexpr int sh = offset_shift(T);
+  if (NJ) nj = NJ;
+  for (int p = 0; p < COLS / 2; ++p) {
+    __m256 ws[2], wm[2], lo[2], hi[2];
+    for (int h = 0; h < 2; ++h) {
+      for (int off = 0; off < group_bytes(T); off += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(w[2 * p + h] + g * group_bytes(T) + PREFETCH + off), _MM_HINT_T0);
+      meta<T>(w[2 * p + h], g, nj, ws[h], wm[h], lo[h], hi[h]);
+    }
+    const __m512 ws2 = join(ws[0], ws[1]), wm2 = join(wm[0], wm[1]), lo2 = join(lo[0], lo[1]), hi2 = join(hi[0], hi[1]);
+    __m512i v[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j)
+      v[j] = j < nj ? _mm512_inserti64x4(_mm512_castsi256_si512(levels<T>(w[2 * p], g, j)), levels<T>(w[2 * p + 1], g, j), 1)
+                    : _mm512_setzero_si512();
+    transpose8x2(v);
+    if constexpr (T == Q8_0)
+      for (int t = 0; t < 8; ++t) v[t] = _mm512_xor_si512(v[t], _mm512_set1_epi8(static_cast<char>(0x80)));
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xt = x[r].qt + g * 256;
+      const __m512 d = _mm512_broadcast_f32x8(_mm256_loadu_ps(x[r].d + g * 8));
+      __m512 a = acc[r][p];
+      if constexpr (T == Q6_K) {
+        __m512i first = _mm512_slli_epi32(wide(x[r].first + g * 8), sh);
+        __m512i second = _mm512_slli_epi32(wide(x[r].second + g * 8), sh);
+        for (int t = 0; t < 4; ++t) first = _mm512_dpbusd_epi32(first, v[t], wide(xt + 32 * t));
+        for (int t = 4; t < 8; ++t) second = _mm512_dpbusd_epi32(second, v[t], wide(xt + 32 * t));
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), _mm512_mul_ps(lo2, d), a);
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_mul_ps(hi2, d), a);
+      } else {
+        __m512i sum;
+        if constexpr (sh >= 0 || T == Q8_0) sum = _mm512_slli_epi32(wide(x[r].sums + g * 8), sh >= 0 ? sh : 7);
+        else sum = _mm512_setzero_si512();
+        for (int t = 0; t < 8; ++t) sum = _mm512_dpbusd_epi32(sum, v[t], wide(xt + 32 * t));
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(ws2, d), a);
+      }
+      if constexpr (has_min(T)) a = _mm512_fmadd_ps(wm2, _mm512_broadcast_f32x8(_mm256_loadu_ps(x[r].ds + g * 8)), a);
+      acc[r][p] = a;
+    }
+  }
+}
+#endif
+
+template <int64_t T, int R>
+void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* const* out) {
+  const Acts& a = *jb.a;
+  constexpr int C = COLS;
+  RowPtrs x[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t at = rows[r] * a.nbp;
+    x[r] = RowPtrs{a.qt.data() + at * QK, a.d.data() + at, a.ds.data() + at,
+                   a.neg_sums.data() + at, a.neg_first.data() + at, a.neg_second.data() + at};
+  }
+  const int64_t full = jb.nb / 8;
+  __m256 acc[R][C];
+#if PASS_VNNI == 2
+  if constexpr (R == 1) {  // one row: the 256-bit code, without the 512-bit one's joining of two columns
+    for (int c = 0; c < C; ++c) acc[0][c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < full; ++g) quant_group<T, R, 8>(w, g, 8, x, acc);
+    if (jb.nb % 8) quant_group<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc);
+    for (int c = 0; c < C; ++c) out[c][0] = lanes8(acc[0][c]);
+    return;
+  }
+  __m512 acc2[R][C / 2];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < C / 2; ++p) acc2[r][p] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < full; ++g) quant_group512<T, R, 8>(w, g, 8, x, acc2);
+  if (jb.nb % 8) quant_group512<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc2);
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < C / 2; ++p) {
+      acc[r][2 * p] = _mm512_castps512_ps256(acc2[r][p]);
+      acc[r][2 * p + 1] = _mm512_extractf32x8_ps(acc2[r][p], 1);
+    }
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < full; ++g) quant_group<T, R, 8>(w, g, 8, x, acc);
+  if (jb.nb % 8) quant_group<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc);
+#endif
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * C + c][0] = lanes8(acc[r][c]);
+}
+
+template <int64_t T, int R>
+void float_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* const* out) {
+  constexpr int C = COLS;
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < jb.k; k += 8) {
+    for (int c = 0; c < C; ++c) {
+      __m256 v;
+      if (T == F32) {
+        v = _mm256_loadu_ps(reinterpret_cast<const float*>(w[c]) + k);
+        _mm_prefetch(reinterpret_cast<const char*>(w[c] + 4 * k + PREFETCH), _MM_HINT_T0);
+      } else {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[c] + 2 * k));
+        if ((k & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(w[c] + 2 * k + PREFETCH), _MM_HINT_T0);
+        v = T == F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r][c] = _mm256_fmadd_ps(v, _mm256_loadu_ps(jb.xf + rows[r] * jb.k + k), acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * C + c][0] = lanes8(acc[r][c]);
+}
+
+// Rows in tiles of R, the R rows sharing each unpacked weight block; 64 rows at a time so that their
+// activations stay in L2 while the chunk's columns pass.
+template <int64_t T, int R>
+void tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* const* out) {
+  if constexpr (is_float(T)) {
+    constexpr int F = R < 4 ? R : 4;  // the float kernels keep all their accumulators in registers
+    for (int r = 0; r < R; r += F) float_tile<T, F>(jb, w, rows + r, out + r * COLS);
+  } else {
+    quant_tile<T, R>(jb, w, rows, out);
+  }
+}
+
+#if PASS_VNNI == 2 && defined(__linux__)
+// AMX (the amx path): TDPBUSD gives 16 rows x 16 columns of one 32-feature block's exact dots at once, which
+// then take exactly the fp32 operations of the vector code, per column in lane j = b % 8 (the same bits).
+// The 16 columns' levels are packed once per call in the tiles' layout (4 features of one column per
+// 32-bit word, 16 columns per 64-byte row) and serve every 16 rows.
+#define AMX_TARGET __attribute__((target("avx2,fma,f16c,bmi2,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,amx-tile,amx-int8")))
+
+bool amx_enable() {  // Linux hands out the tiles' state only on request (arch_prctl ARCH_REQ_XCOMP_PERM)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+template <int64_t T>
+AMX_TARGET void amx_columns(const Job& jb, int64_t c, int64_t c1, int64_t rows16) {
+  const Acts& a = *jb.a;
+  const int64_t nb = jb.nb;
+  constexpr int sh = offset_shift(T);
+  const uint8_t* w[16];
+  for (int i = 0; i < 16; ++i) w[i] = jb.w + std::min(c + i, c1 - 1) * jb.row_bytes;
+  thread_local std::vector<uint8_t> levels16;  // per block: 16 columns x 32 levels
+  thread_local std::vector<float> scales;  // per block: ws, wm, lo, hi of each column
+  levels16.resize(nb * 512);
+  scales.resize(nb * 64);
+  for (int64_t g = 0; g < (nb + 7) / 8; ++g) {
+    const int nj = static_cast<int>(std::min<int64_t>(8, nb - g * 8));
+    for (int i = 0; i < 16; ++i) {
+      __m256 m[4];
+      meta<T>(w[i], g, nj, m[0], m[1], m[2], m[3]);
+      alignas(32) float tmp[4][8];
+      for (int f = 0; f < 4; ++f) _mm256_store_ps(tmp[f], m[f]);
+      for (int j = 0; j < nj; ++j) {
+        for (int f = 0; f < 4; ++f) scales[(g * 8 + j) * 64 + f * 16 + i] = tmp[f][j];
+        __m256i v = levels<T>(w[i], g, j);
+        if (T == Q8_0) v = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(levels16.data() + (g * 8 + j) * 512 + 32 * i), v);
+      }
+    }
+  }
+  // TDPBUSD: tile 0/1 [16 columns][16 rows] int32 += tile 2/4 (levels, unsigned: [16 columns][32 or 16
+  // features]) times tile 3/5 (activations, signed: [features / 4][16 rows x 4 features]).
+  TileConfig cfg{};
+  cfg.palette = 1;
+  cfg.rows[0] = cfg.rows[1] = 16, cfg.colsb[0] = cfg.colsb[1] = 64;
+  cfg.rows[2] = 16, cfg.colsb[2] = 32;
+  cfg.rows[3] = 8, cfg.colsb[3] = 64;
+  cfg.rows[4] = 16, cfg.colsb[4] = 16;  // Q6_K: 16 features at a time
+  cfg.rows[5] = 4, cfg.colsb[5] = 64;
+  cfg.rows[6] = cfg.rows[7] = 16, cfg.colsb[6] = cfg.colsb[7] = 64;  // tiles 0, 1 and 6, 7 take turns
+  _tile_loadconfig(&cfg);
+  alignas(64) int32_t dots[2][2][256];  // [turn][Q6_K's first, second 16 features][column x row]
+  // One block's products into the tiles and dots of a turn (the next block's run while this one's fp32 work
+  // does).
+  const auto issue = [&](int64_t tile, int64_t b, int turn) AMX_TARGET {
+    const uint8_t* lv = levels16.data() + b * 512;
+    const int8_t* qv = a.qv.data() + (tile * nb + b) * 512;
+#define TORNCHAT_AMX_BLOCK(C0, C1)            \
+    if constexpr (T == Q6_K) {                 \
+      _tile_zero(C0);                          \
+      _tile_zero(C1);                          \
+      _tile_loadd(4, lv, 32);                  \
+      _tile_loadd(5, qv, 64);                  \
+      _tile_dpbusd(C0, 4, 5);                  \
+      _tile_loadd(4, lv + 16, 32);             \
+      _tile_loadd(5, qv + 256, 64);            \
+      _tile_dpbusd(C1, 4, 5);                  \
+      _tile_stored(C0, dots[turn][0], 64);     \
+      _tile_stored(C1, dots[turn][1], 64);     \
+    } else {                                   \
+      _tile_zero(C0);                          \
+      _tile_loadd(2, lv, 32);                  \
+      _tile_loadd(3, qv, 64);                  \
+      _tile_dpbusd(C0, 2, 3);                  \
+      _tile_stored(C0, dots[turn][0], 64);     \
+    }
+    if (turn == 0) {
+      TORNCHAT_AMX_BLOCK(0, 1)
+    } else {
+      TORNCHAT_AMX_BLOCK(6, 7)
+    }
+#undef TORNCHAT_AMX_BLOCK
+  };
+  alignas(64) float result[8][16][16];  // [lane][column][row]
+  const int valid = static_cast<int>(std::min<int64_t>(16, c1 - c));
+  for (int64_t r0 = 0; r0 < rows16; r0 += 16) {
+    const int64_t tile = r0 / 16;
+    // Lane j's chain takes blocks j, j + 8, ... in order: one lane at a time keeps its 16 columns' chains
+    // in registers.
+    for (int j = 0; j < 8; ++j) {
+      __m512 acc[16];
+      for (int n = 0; n < 16; ++n) acc[n] = _mm512_setzero_ps();
+      int turn = 0;
+      if (j < nb) issue(tile, j, 0);
+      for (int64_t b = j; b < nb; b += 8, turn ^= 1) {
+        if (b + 8 < nb) issue(tile, b + 8, turn ^ 1);
+        const int32_t* dot0 = dots[turn][0];
+        const int32_t* dot1 = dots[turn][1];
+        const int64_t to = (tile * nb + b) * 16;
+        const __m512 d = _mm512_loadu_ps(a.tile_d.data() + to), ds = _mm512_loadu_ps(a.tile_ds.data() + to);
+        const float* sc = scales.data() + b * 64;
+        __m512i offset = _mm512_setzero_si512(), offset2 = _mm512_setzero_si512();
+        if constexpr (T == Q6_K) {
+          offset = _mm512_slli_epi32(_mm512_loadu_si512(a.tile_first.data() + to), sh);
+          offset2 = _mm512_slli_epi32(_mm512_loadu_si512(a.tile_second.data() + to), sh);
+        } else if constexpr (sh >= 0 || T == Q8_0) {
+          offset = _mm512_slli_epi32(_mm512_loadu_si512(a.tile_sums.data() + to), sh >= 0 ? sh : 7);
+        }
+        for (int n = 0; n < 16; ++n) {
+          if constexpr (T == Q6_K) {
+            const __m512i first = _mm512_add_epi32(_mm512_load_si512(dot0 + 16 * n), offset);
+            const __m512i second = _mm512_add_epi32(_mm512_load_si512(dot1 + 16 * n), offset2);
+            acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), _mm512_mul_ps(_mm512_set1_ps(sc[32 + n]), d), acc[n]);
+            acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_mul_ps(_mm512_set1_ps(sc[48 + n]), d), acc[n]);
+          } else {
+            const __m512i dot = _mm512_add_epi32(_mm512_load_si512(dot0 + 16 * n), offset);
+            acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(sc[n]), d), acc[n]);
+          }
+          if constexpr (has_min(T)) acc[n] = _mm512_fmadd_ps(_mm512_set1_ps(sc[16 + n]), ds, acc[n]);
+        }
+      }
+      for (int n = 0; n < 16; ++n) _mm512_store_ps(result[j][n], acc[n]);
+    }
+    for (int n = 0; n < valid; ++n) {
+#define l(j) _mm512_load_ps(result[j][n])
+      _mm512_store_ps(result[0][n], _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l(0), l(4)), _mm512_add_ps(l(2), l(6))),
+                                                  _mm512_add_ps(_mm512_add_ps(l(1), l(5)), _mm512_add_ps(l(3), l(7)))));
+#undef l
+    }
+    for (int m = 0; m < 16; ++m)
+      for (int n = 0; n < valid; ++n) jb.out[(r0 + m) * jb.n_total + jb.col_offset + c + n] = result[0][n][m];
+  }
+  _tile_release();
+}
+#endif
+
+template <int64_t T>
+void run_type(const Job& jb, int64_t c0, int64_t c1) {
+  const int64_t nrows = jb.a->rows;
+  constexpr int64_t ROW_BLOCK = 64;
+  float sink[PASS_RMAX * COLS];
+  int64_t first_row = 0;
+#if PASS_VNNI == 2 && defined(__linux__)
+  if constexpr (!is_float(T)) {
+    if (jb.amx && nrows >= 16) {
+      first_row = nrows / 16 * 16;
+      for (int64_t c = c0; c < c1; c += 16) amx_columns<T>(jb, c, c1, first_row);
+    }
+  }
+#endif
+  for (int64_t rb = first_row; rb < nrows; rb += ROW_BLOCK) {
+    const int64_t re = std::min(nrows, rb + ROW_BLOCK);
+    for (int64_t c = c0; c < c1; c += COLS) {
+      const uint8_t* w[COLS];
+      for (int i = 0; i < COLS; ++i) w[i] = jb.w + std::min(c + i, c1 - 1) * jb.row_bytes;  // repeats the last
+      int64_t r = rb;
+      while (r < re) {
+        const int64_t left = re - r;
+        const int R = left >= PASS_RMAX ? PASS_RMAX : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        int64_t rows[PASS_RMAX];
+        float* out[PASS_RMAX * COLS];
+        for (int i = 0; i < R; ++i) {
+          rows[i] = r + i;
+          for (int j = 0; j < COLS; ++j)
+            out[i * COLS + j] = c + j < c1 ? jb.out + (r + i) * jb.n_total + jb.col_offset + c + j : sink + i * COLS + j;
+        }
+        if (R == PASS_RMAX) tile<T, PASS_RMAX>(jb, w, rows, out);
+#if PASS_RMAX > 8
+        else if (R == 8) tile<T, 8>(jb, w, rows, out);
+#endif
+        else if (R == 4) tile<T, 4>(jb, w, rows, out);
+        else if (R == 2) tile<T, 2>(jb, w, rows, out);
+        else tile<T, 1>(jb, w, rows, out);
+        r += R;
+      }
+    }
+  }
+}
+
+void run(const Job& jb, int64_t c0, int64_t c1) {
+  switch (jb.type) {
+    case Q4_0: return run_type<Q4_0>(jb, c0, c1);
+    case Q4_1: return run_type<Q4_1>(jb, c0, c1);
+    case Q5_0: return run_type<Q5_0>(jb, c0, c1);
+    case Q5_1: return run_type<Q5_1>(jb, c0, c1);
+    case Q8_0: return run_type<Q8_0>(jb, c0, c1);
+    case Q4_K: return run_type<Q4_K>(jb, c0, c1);
+    case Q5_K: return run_type<Q5_K>(jb, c0, c1);
+    case Q6_K: return run_type<Q6_K>(jb, c0, c1);
+    case F32: return run_type<F32>(jb, c0, c1);
+    case F16: return run_type<F16>(jb, c0, c1);
+    case BF16: return run_type<BF16>(jb, c0, c1);
+  }
+}
+
+}  // namespace PASS_NS
+}  // namespace blocks_detail
+}  // namespace tornchat
+
+#endif  // TORNCHAT_BLOCKS_PASS
