@@ -39,12 +39,12 @@ def test_longest_match_first_and_the_prediction_before_the_context():
 def test_a_followed_draft_continues_where_it_left_off_not_at_the_latest_repeat():
     source = [10, 11, 12, 13, 14, 10, 11, 12, 15, 16]  # "10 11 12" twice: the latest copy goes to 15
     drafter = Drafter(FREE, [99], prediction=source, capacity=16)
-    for token in (10, 11, 12):
+    for token in (7, 10, 11, 12):  # a reply that did not start as the prediction does
         drafter.append(token)
     assert drafter.propose(2) == [15, 16]  # latest occurrence of "10 11 12"
     drafter = Drafter(FREE, [99], prediction=source, capacity=16)
     drafter.append(10)
-    assert drafter.propose(2) == [11, 12]  # latest "10" is at index 5: drafts 11 12 from there
+    assert drafter.propose(2) == [11, 12]  # the reply so far is the prediction's start: its continuation
     drafter.follow = (True, 3)  # as if the draft had come from the first copy
     for token in (11, 12):
         drafter.append(token)
@@ -74,6 +74,25 @@ def test_misses_shrink_drafts_to_none_and_faded_evidence_tries_again():
     for token in (1, 2, 3):
         drafter.append(token)
     assert drafter.propose(4) == [0]  # the misses have faded towards the prior: the latest "1 2 3" again
+
+
+def test_a_prediction_is_drafted_from_the_first_token_and_never_starves():
+    """The reply's first token starts the prediction: drafting follows it at once (not after an n-gram has
+    matched), and even where the estimate says drafts do not pay, one predicted token is tried, so that
+    hits can raise the estimate again."""
+    drafter = Drafter(CHEAP, [5, 6, 7], prediction=[10, 11, 12, 13, 14], capacity=16)
+    drafter.append(10)
+    assert drafter.propose(8) == [11, 12, 13, 14]
+    costly = Drafter(LINEAR, [5, 6, 7], prediction=[10, 11, 12, 13, 14], capacity=16)
+    costly.append(10)
+    assert costly.propose(8) == [11]  # LINEAR never pays, yet the prediction gets its test
+    costly.observe(1, 1)
+    costly.append(11)
+    costly.append(12)
+    assert costly.propose(8) == [13]
+    elsewhere = Drafter(LINEAR, [5, 6, 7], prediction=[10, 11, 12, 13], capacity=16)
+    elsewhere.append(99)  # the reply left the prediction: nothing of it follows
+    assert elsewhere.propose(8) == []
 
 
 @pytest.fixture(scope="module")

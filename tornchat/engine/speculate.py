@@ -12,7 +12,10 @@ How many to draft is a bet: a verify over r rows costs ``Costs.relative``
 one-token steps (measured on this machine, ``measure``), and each draft is
 accepted with a probability the drafter estimates from its recent hits.
 It drafts the length with the most expected tokens per unit of cost, which
-is none at all where nothing matches or acceptance has fallen too low.
+is none at all where nothing matches or acceptance has fallen too low,
+except from an explicit prediction: that is drafted from the first token of
+the reply, and at least one token of it whenever the reply matches it, so
+that evidence keeps coming and a low estimate can rise again.
 """
 import statistics
 import time
@@ -32,6 +35,16 @@ DECAY = 0.98  # per token: evidence fades back to the prior, so after a run of m
 # short context (attention, which rows pay one by one, grows with it) and a verify has overheads of its own.
 MIN_GAIN = 1.1
 AUTO_ACCEPTANCE = 0.5  # --speculate auto turns speculation on where a draft pays at this acceptance
+# The prompt a verify's costs are measured after (``measure``; build.sample_ids renders it).
+SAMPLE_CHAT = [
+    {"role": "user", "content": "Explain in a few sentences why the sky is blue, and why sunsets are red."},
+    {"role": "assistant", "content": (
+        "Sunlight holds every color. As it crosses the atmosphere, molecules of nitrogen and oxygen scatter "
+        "short wavelengths, blue and violet, far more strongly than long ones: this is Rayleigh scattering. "
+        "The scattered blue light reaches our eyes from every direction, so the whole sky looks blue. At sunset "
+        "the light travels through much more air before it reaches us, most of the blue is scattered away on "
+        "the way, and the reds and oranges that remain color the sky near the sun.")},
+]
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,7 @@ class Drafter:
         self.costs = costs
         self.ids = np.zeros(len(context) + capacity, dtype=np.int64)  # prompt then reply, grown in place
         self.ids[: len(context)] = context
-        self.length = len(context)
+        self.length = self.prompt_length = len(context)
         self.prediction = np.asarray(prediction, dtype=np.int64)
         self.accepted = np.zeros(len(PRIOR_ACCEPTANCE))  # evidence per kind, decayed
         self.missed = np.zeros(len(PRIOR_ACCEPTANCE))
@@ -116,7 +129,10 @@ class Drafter:
             return []
         self.kind, predicted, end = found
         source = self.prediction if predicted else context
-        k = self.costs.best_draft(self.acceptance(self.kind), min(limit, len(source) - end))
+        available = min(limit, len(source) - end)
+        k = self.costs.best_draft(self.acceptance(self.kind), available)
+        if predicted:  # what the client said the reply holds: always worth a token's test
+            k = max(k, min(1, available))
         if k == 0:
             return []
         self.follow = (predicted, end + k)
@@ -124,8 +140,12 @@ class Drafter:
 
     def _continuation(self, context: np.ndarray) -> tuple[int, bool, int] | None:
         """Where the previous draft left off, if the reply has followed its source up to there: repeated
-        n-grams (every "return" in a function) would otherwise send the draft to the wrong copy."""
+        n-grams (every "return" in a function) would otherwise send the draft to the wrong copy. Before any
+        draft, the prediction itself while the reply so far is its beginning."""
         if self.follow is None:
+            reply = context[self.prompt_length :]
+            if 0 < len(reply) < len(self.prediction) and np.array_equal(self.prediction[: len(reply)], reply):
+                return 0, True, len(reply)
             return None
         predicted, end = self.follow
         source = self.prediction if predicted else context
