@@ -10,9 +10,12 @@ output.weight), like the embedded model.
 
 The full-precision file is written through gguf.GGUFWriter one tensor at a
 time (F16 matrices, F32 norms), so even the 3B file never needs the whole
-model in memory; llama-cpp-python's quantizer then turns it into
-<name>-Q4_K_M.gguf and the F16 intermediate is deleted unless --keep-f16.
-Without llama-cpp-python the F16 file is what it writes.
+model in memory; llama.cpp's quantizer then turns it into
+<name>-Q4_K_M.gguf and the F16 intermediate is deleted unless --keep-f16:
+its `llama-quantize` binary (--quantizer PATH, built from the same source
+as bench/e2e.py's llama-server: `cmake --build build --target
+llama-quantize`), else llama-cpp-python's. Without either the F16 file is
+what it writes.
 
     python bench/make_gguf.py 1b --out /work/models
     python bench/make_gguf.py 3b --out /work/models --keep-f16
@@ -26,6 +29,7 @@ import argparse
 import ctypes
 import dataclasses
 import importlib.util
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -139,7 +143,12 @@ def write_f16(path: Path, name: str, shape: Shape, source: Path, seed: int, std:
     writer.close()
 
 
-def quantize_q4_k_m(source: Path, target: Path, threads: int) -> None:
+def quantize_q4_k_m(source: Path, target: Path, threads: int, quantizer: Path | None) -> None:
+    if quantizer is not None:
+        command = [str(quantizer), str(source), str(target), "Q4_K_M"] + ([str(threads)] if threads else [])
+        if subprocess.run(command, stdout=subprocess.DEVNULL).returncode != 0:
+            raise SystemExit(f"{quantizer} could not quantize {source} to Q4_K_M")
+        return
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
@@ -183,6 +192,7 @@ def main() -> None:
     parser.add_argument("--std", type=float, default=0.02, help="std of the random normal weights; norms are 1")
     parser.add_argument("--threads", type=int, default=0, help="quantizer threads (0: all cores)")
     parser.add_argument("--keep-f16", action="store_true", help="keep the F16 file next to the Q4_K_M one")
+    parser.add_argument("--quantizer", type=Path, help="llama.cpp's llama-quantize binary (default: llama-cpp-python's)")
     args = parser.parse_args()
     shape = parse_shape(args)
     name = args.name or f"random-llama-{args.preset}"
@@ -192,14 +202,14 @@ def main() -> None:
     started = time.perf_counter()
     write_f16(f16_path, name, shape, default_gguf_path(), args.seed, args.std)
     report("wrote", f16_path, started)
-    if importlib.util.find_spec("llama_cpp") is None:
-        print("llama-cpp-python is not installed: leaving the F16 file unquantized", file=sys.stderr)
+    if args.quantizer is None and importlib.util.find_spec("llama_cpp") is None:
+        print("no --quantizer and no llama-cpp-python: leaving the F16 file unquantized", file=sys.stderr)
         print(f16_path)
         return
 
     q4_path = args.out / f"{name}-Q4_K_M.gguf"
     started = time.perf_counter()
-    quantize_q4_k_m(f16_path, q4_path, args.threads)
+    quantize_q4_k_m(f16_path, q4_path, args.threads, args.quantizer)
     report("quantized", q4_path, started)
     if args.keep_f16:
         print(f16_path)
