@@ -1,20 +1,22 @@
-"""Decode and prefill speed of a GGUF's packed blocks, side by side in one process, against llama.cpp.
+"""Decode and prefill speed of a GGUF's own blocks, side by side in one process, and their quality.
 
-Rows: the file dequantized to fp32 (the reference; --no-reference skips it
-for large models); what `--quantize auto` makes of the file on this machine
-(its quantized blocks as int4 and int8, timed afresh); that with the PyTorch
-reference ops instead of the C++ fused ones (the fused-ops lever), and with
-the C++ ops called from the Python layer loop instead of the C++ decode
-step; with --formats, each --quantize format packed from the fp32 values;
-and llama.cpp on the same file when llama-cpp-python is installed. For each: greedy decode tokens/s after a short chat prompt and
-after a ~2,000-token one, and prefill tokens/s of that prompt (in the
-engine's 512-token chunks). Runners take turns round by round, so load from
-other processes hits all of them alike; the table gives the median and the
-best round. Then where a decode step of the auto format goes (matmuls,
-attention, and the rest: eager-op overhead), with each set of ops. Then the
-quality of each format: per-position greedy agreement with fp32 (both fed
-fp32's choice) over fixed prompts, and perplexity on a fixed text, both
-through the decode weights, against the dequantized file.
+Rows: the file dequantized to fp32 and run by PyTorch (the reference;
+--no-reference skips it for large models); the file's blocks through the
+C++ forward on each instruction-set path this CPU has (csrc/blocks.cpp:
+AVX-512 VNNI, AVX-VNNI, AVX2, generic); the same blocks from the Python
+layer loop (the C++ forward's lever); with --formats, each --quantize
+format packed from the fp32 values; and llama.cpp on the same file in
+process when llama-cpp-python is installed (bench/e2e.py compares whole
+servers against llama-server). For each: greedy decode tokens/s after a
+short chat prompt and after a ~2,000-token one, with the read bandwidth
+that implies (weights and KV cache bytes per token x tokens/s) against the
+machine's (a torch sum over 1 GiB), and prefill tokens/s of that prompt
+(in the engine's 512-token chunks). Runners take turns round by round, so
+load from other processes hits all of them alike; the table gives the
+median and the best round. Then where a decode step goes (matmuls,
+attention, the rest). Then the quality of each: per-position greedy
+agreement with fp32 (both fed fp32's choice) over fixed prompts, and
+perplexity on a fixed text, against the dequantized file.
 
     python bench/decode_speed.py [--checkpoint-path FILE.gguf] [--threads 2] [--steps 64] [--rounds 3]
 """
@@ -22,20 +24,18 @@ import argparse
 import importlib.util
 import math
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from tornchat import checkpoint
-from tornchat.engine import autotune, build, fused, llama
+from tornchat.engine import blocks, llama, quant
 from tornchat.engine.cpu import describe
 from tornchat.engine.model import PREFILL_CHUNK
 from tornchat.weights import gguf_file
 
-MATMULS = ("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm",
-           "tornchat::vnni_int4_mm", "tornchat::vnni_int8_mm")
+MATMULS = ("aten::mm", "aten::addmm", "tornchat::block_mm")
 ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math", "tornchat::attend")
 
 PROMPTS = [
@@ -102,12 +102,32 @@ def greedy_agreement(reference, candidate, prompts: list[list[int]], steps: int)
 
 
 def decode_perplexity(runner, ids: list[int]) -> float:
-    """Perplexity of ids with every token fed as a decode step: the weights decode really reads."""
-    cache, nll = runner.new_cache(), 0.0
-    for position, token in enumerate(ids[:-1]):
-        logits = runner.forward([token], cache, decode=True)
-        nll -= float(torch.log_softmax(logits, dim=-1)[ids[position + 1]])
+    """Perplexity of ids from one pass (``score``): with the block kernels every row is what a step gives."""
+    logits = runner.score(ids)
+    nll = -float(torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).sum())
     return math.exp(nll / (len(ids) - 1))
+
+
+def read_bandwidth() -> float:
+    """Bytes per second a torch sum over 1 GiB reads, best of 5."""
+    data = torch.ones(1 << 28)
+    best = math.inf
+    for _ in range(5):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
+def bytes_per_token(runner, context: int) -> int:
+    """What a decode step reads at this context: every layer matrix and the head once, and the KV cache."""
+    def nbytes(w) -> int:
+        if isinstance(w, quant.BlockWeight):
+            return sum(p.numel() for p in w.parts)
+        return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
+    weights = sum(nbytes(m) for layer in runner.layers for m in layer.matrices()) + nbytes(runner.head)
+    kv = len(runner.layers) * 2 * context * runner.kv_heads * runner.head_dim * runner.kv_dtype.itemsize
+    return weights + kv
 
 
 def step_breakdown(runner, prompt: list[int], steps: int) -> dict[str, float]:
@@ -144,31 +164,24 @@ def main() -> None:
     print(f"CPU: {describe()}\nmodel: {path.name}")
     loaded = checkpoint.load(str(path), model_impl="lean")
     tokenizer, (config, weights) = loaded.tokenizer, loaded.lean
-    with tempfile.TemporaryDirectory() as fresh:  # time the formats afresh, whatever an earlier start cached
-        auto, choice = autotune.choose(config, weights, "packed", build.quality_ids(tokenizer), Path(fresh) / "d.json",
-                                       "bench", gate=True)
-    print(f"auto picks {choice.format.label()} over {llama.weights_label(auto.weights)}; whole decode steps, ms: "
-          f"{choice.step_ms}; quality {choice.quality}")
-    auto_loop = choice.format.runner(config, weights)
-    auto_loop.decode_step = None  # the C++ ops, called from the Python loop
-    auto_reference_ops = llama.LlamaRunner(config, auto.weights, auto.kv_dtype, auto.prefill_dtype, auto.prefill_from,
-                                           ops=fused.REFERENCE)
+    print(f"the file's blocks: {llama.weights_label(weights)}; kernel paths here: {', '.join(blocks.isas())}")
     runners = {}
     if not args.no_reference or args.formats:
         runners["fp32 (the file dequantized)"] = llama.LlamaRunner(*gguf_file.load(path, plain=torch.float32))
-    runners |= {
-        f"auto: {choice.format.label()}": auto,
-        "auto, C++ ops from the Python loop": auto_loop,
-        "auto, PyTorch reference ops": auto_reference_ops,
-    }
+    for isa in blocks.isas():
+        runners[f"the file's blocks, {isa}"] = llama.LlamaRunner(config, weights, isa=isa)
+    loop = llama.LlamaRunner(config, weights)
+    loop.step = None  # the block kernels called from the Python layer loop, SDPA attention
+    runners["the file's blocks, Python loop"] = loop
     if args.formats:
         for mode in ("bf16", "int8", "int4"):
             config_, plain = gguf_file.load(path, plain=torch.float32)
-            runners[f"{mode} from fp32 (bf16 inputs)"] = llama.LlamaRunner(config_, llama.pack(plain, mode))
+            runners[f"{mode} ({quant.BLOCK_TYPES[mode]}) from fp32"] = llama.LlamaRunner(config_, llama.pack(plain, mode))
     if importlib.util.find_spec("llama_cpp"):
-        runners[f"llama.cpp ({path.name})"] = LlamaCpp(path, args.threads)
+        runners[f"llama.cpp in process ({path.name})"] = LlamaCpp(path, args.threads)
     else:
-        print("llama.cpp: not installed, skipped (pip install --no-build-isolation -e '.[llamacpp]')")
+        print("llama.cpp in process: not installed, skipped (pip install --no-build-isolation -e '.[llamacpp]')")
+    bandwidth = read_bandwidth()
     prompt = chat_ids(tokenizer, PROMPTS[1])
     long_text = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box on shelf {i % 17}." for i in range(400))
     long_prompt = tokenizer(long_text)["input_ids"][:2000]
@@ -184,24 +197,27 @@ def main() -> None:
             decode_long[name].append(decode_rate(runner, long_prompt, args.steps))
             prefill[name].append(prefill_rate(runner, long_prompt))
 
-    llama_cpp = max(decode.get(f"llama.cpp ({path.name})", [0]))
-    llama_cpp_prefill = max(prefill.get(f"llama.cpp ({path.name})", [0]))
-    print(f"\nCPU: {describe()}; {torch.get_num_threads()} threads; {path.name}; median and best of {args.rounds} rounds")
-    print("| forward | decode tok/s, median (best) | best vs llama.cpp's best | decode tok/s at 2,000 tokens "
-          "| prefill tok/s (2,000 tokens), median (best) | best vs llama.cpp's best |")
-    print("|---|---|---|---|---|---|")
-    for name in runners:
+    llama_cpp = max(decode.get(f"llama.cpp in process ({path.name})", [0]))
+    llama_cpp_prefill = max(prefill.get(f"llama.cpp in process ({path.name})", [0]))
+    print(f"\nCPU: {describe()}; {torch.get_num_threads()} threads; {path.name}; median and best of {args.rounds} rounds; "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print("| forward | decode tok/s, median (best) | read GB/s (share of the machine's) | best vs llama.cpp's best "
+          "| decode tok/s at 2,000 tokens | prefill tok/s (2,000 tokens), median (best) | best vs llama.cpp's best |")
+    print("|---|---|---|---|---|---|---|")
+    for name, runner in runners.items():
         d, dl, p = (statistics.median(rates[name]) for rates in (decode, decode_long, prefill))
+        read = f"{bytes_per_token(runner, len(prompt)) * max(decode[name]) / 1e9:.1f} " \
+               f"({bytes_per_token(runner, len(prompt)) * max(decode[name]) / bandwidth:.0%})" if hasattr(runner, "layers") else "-"
         versus = f"{max(decode[name]) / llama_cpp:.2f}x" if llama_cpp else "-"
         versus_prefill = f"{max(prefill[name]) / llama_cpp_prefill:.2f}x" if llama_cpp_prefill else "-"
-        print(f"| {name} | {d:.1f} ({max(decode[name]):.1f}) | {versus} | {dl:.1f} | {p:.0f} ({max(prefill[name]):.0f}) "
-              f"| {versus_prefill} |")
+        print(f"| {name} | {d:.1f} ({max(decode[name]):.1f}) | {read} | {versus} | {dl:.1f} "
+              f"| {p:.0f} ({max(prefill[name]):.0f}) | {versus_prefill} |")
 
-    print("\nWhere a decode step of the auto format goes, ms (short prompt; kernel times from torch.profiler):")
-    print("| ops | step | matmuls | attention | rest: per-op overhead | overhead share |")
+    print("\nWhere a decode step goes, ms (short prompt; kernel times from torch.profiler; the C++ forward's kernels "
+          "run inside one call, so only the Python loop splits):")
+    print("| forward | step | matmuls | attention | rest: per-op overhead | overhead share |")
     print("|---|---|---|---|---|---|")
-    for name, runner in (("C++ decode step", auto), ("C++ ops, Python loop", auto_loop),
-                         ("PyTorch reference ops", auto_reference_ops)):
+    for name, runner in (("C++ forward", runners[f"the file's blocks, {blocks.isa()}"]), ("Python loop", loop)):
         parts = step_breakdown(runner, prompt, args.steps)
         print(f"| {name} | {parts['wall']:.2f} | {parts['matmul']:.2f} | {parts['attention']:.2f} | {parts['other']:.2f} "
               f"| {parts['other'] / parts['wall']:.0%} |")
@@ -213,8 +229,8 @@ def main() -> None:
     text_ids = tokenizer(open(__file__).read())["input_ids"][: args.ppl_tokens]
     ppl_fp32 = decode_perplexity(reference, text_ids)
     print(f"\nquality vs the file dequantized to fp32 (greedy agreement over {len(prompts)} prompts x 32 positions, both "
-          f"fed fp32's choice; perplexity of {len(text_ids)} tokens of this file fed as decode steps: fp32 {ppl_fp32:.3f})")
-    for name in [n for n in runners if n != "fp32 (the file dequantized)" and not n.startswith(("llama.cpp", "auto,"))]:
+          f"fed fp32's choice; perplexity of {len(text_ids)} tokens of this file: fp32 {ppl_fp32:.3f})")
+    for name in [n for n in runners if n != "fp32 (the file dequantized)" and not n.startswith("llama.cpp")]:
         agreement = greedy_agreement(reference, runners[name], prompts, 32)
         ppl = decode_perplexity(runners[name], text_ids)
         print(f"| {name} | agreement {agreement:.1%} | perplexity {ppl:.3f} ({ppl / ppl_fp32 - 1:+.2%}) |")

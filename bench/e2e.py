@@ -10,8 +10,36 @@ and the gaps between streamed chunks are what a client sees. Workloads:
   tokens by turn 6: TTFT per turn;
 - peak RSS of the server process and its children, sampled throughout.
 
-    python bench/e2e.py                      # every system that is installed
-    python bench/e2e.py --quick --systems baseline,llamacpp
+    python bench/e2e.py                      # every system (llama-server must be built, see below)
+    python bench/e2e.py --quick --systems baseline,llamacpp --llama-server /path/to/llama-server
+
+The llama.cpp baseline (system ``llamacpp``) is llama.cpp's own C++ server,
+``llama-server``, started with the same GGUF file and the same thread count as
+tornchat (``-t N -tb N``), ``--jinja`` (the file's own chat template) and
+``-c 4096``, ready once ``/health`` answers 200. Its path: ``--llama-server
+PATH``, else $LLAMA_SERVER, else /work/llama-server/bin/llama-server. Build
+it from the llama.cpp that llama-cpp-python 0.3.36 vendors (cmake and g++):
+
+    mkdir -p /work/llama-server && cd /work/llama-server
+    pip download --no-binary :all: --no-deps llama-cpp-python==0.3.36
+    tar xzf llama_cpp_python-0.3.36.tar.gz && cd llama_cpp_python-0.3.36/vendor/llama.cpp
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"   # AMX's kernels segfault on AMX Xeons
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \\
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \\
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF \\
+        -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX"
+    cmake --build build --target llama-server -j"$(nproc)"   # about 11 minutes on 2 busy cores
+    mkdir -p /work/llama-server/bin && cp build/bin/llama-server /work/llama-server/bin/
+
+NO_AMX keeps -march=native but without AMX: on an AMX Xeon (Sapphire Rapids
+and later) llama.cpp's AMX kernels segfault in the warm-up forward on the
+embedded Q4_1 model (llama.cpp issue 20824); on other CPUs the flags change
+nothing.
+
+llama-cpp-python's Python server (``python -m llama_cpp.server``) adds
+per-token Python overhead on top of the same library; it is kept only as the
+separate system ``llamacpp-python`` (not in the default list, never in a
+ratio).
 
 Writes bench/results/e2e-<timestamp>.json (every measurement), and for the
 latest run e2e.md (the tables for the README), e2e-ttft.png and
@@ -21,7 +49,6 @@ import argparse
 import dataclasses
 import importlib.metadata
 import importlib.util
-import json
 import os
 import platform
 import signal
@@ -88,15 +115,65 @@ def baseline_system(threads: int, port: int, model: Path) -> System:
     return System("baseline", "transformers generate per request (reference)", command, "baseline", "/health")
 
 
-def llamacpp_system(threads: int, port: int, model: Path) -> System:
+DEFAULT_LLAMA_SERVER = Path("/work/llama-server/bin/llama-server")
+# The recipe in this module's docstring, for the error a missing llama-server gives.
+LLAMA_SERVER_BUILD = (__doc__[__doc__.index("    mkdir -p /work/llama-server"):__doc__.index("\n\nNO_AMX keeps")]
+                      if __doc__ else "    see bench/e2e.py's docstring")  # python -OO drops docstrings
+
+
+def find_llama_server(option: str | None) -> Path | None:
+    """llama.cpp's C++ server: --llama-server PATH, else $LLAMA_SERVER, else DEFAULT_LLAMA_SERVER where it
+    exists; None when none was named and the default is absent."""
+    named = option or os.environ.get("LLAMA_SERVER")
+    if named:
+        return Path(named).expanduser()
+    return DEFAULT_LLAMA_SERVER if DEFAULT_LLAMA_SERVER.exists() else None
+
+
+def llama_server_problem(path: Path | None) -> str | None:
+    """Why the llama.cpp baseline cannot run (with how to build it), or None when it can."""
+    if path is not None and path.is_file() and os.access(path, os.X_OK):
+        return None
+    where = (f"{path} is not an executable file" if path is not None else
+             f"no llama-server: pass --llama-server PATH, set LLAMA_SERVER, or put it at {DEFAULT_LLAMA_SERVER}")
+    return f"{where}. Build llama.cpp's server (the baseline) with:\n{LLAMA_SERVER_BUILD}"
+
+
+def llama_server_version(path: Path | None) -> str:
+    """What ``llama-server --version`` says ("version: 0.5.0-dev (build 1, commit 0c1e570)"), without the
+    parentheses: "0.5.0-dev, build 1, commit 0c1e570"."""
+    if llama_server_problem(path):
+        return "not built"
+    try:
+        done = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unknown ({type(exc).__name__})"
+    lines = [line.strip() for line in (done.stdout + done.stderr).splitlines() if line.strip().startswith("version")]
+    return lines[0].removeprefix("version:").strip().replace(" (", ", ").replace(")", "") if lines else "unknown"
+
+
+def llamacpp_system(threads: int, port: int, model: Path, llama_server: Path | None) -> System:
+    """The llama.cpp baseline: llama.cpp's C++ server on the same file with the same thread count, the file's
+    own chat template (--jinja); ready when /health answers 200 (503 while it loads)."""
+    command = [
+        str(llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "-t", str(threads), "-tb", str(threads), "-c", "4096", "--jinja",
+    ]
+    return System("llamacpp", f"llama.cpp llama-server ({llama_server_version(llama_server)}, {model.name})",
+                  command, model.stem, "/health", skip=llama_server_problem(llama_server))
+
+
+def llamacpp_python_system(threads: int, port: int, model: Path) -> System:
+    """llama-cpp-python's Python server on the same library: not the baseline (it adds per-token Python
+    overhead), never in a ratio; only with --systems llamacpp-python."""
     command = [
         sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
         "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096",
         "--chat_format", "chatml",
     ]
     skip = None if importlib.util.find_spec("llama_cpp") else "not installed: pip install --no-build-isolation -e '.[llamacpp]'"
-    return System("llamacpp", f"llama.cpp server (llama-cpp-python {version('llama_cpp_python')}, {model.name})",
-                  command, "smollm2", "/v1/models", skip=skip)
+    return System("llamacpp-python", f"llama-cpp-python's Python server ({version('llama_cpp_python')}, "
+                  f"{model.name}; not the baseline)", command, "smollm2", "/v1/models", skip=skip)
 
 
 def transformers_serve_system(threads: int, port: int, model: Path) -> System:
@@ -109,13 +186,17 @@ def transformers_serve_system(threads: int, port: int, model: Path) -> System:
                   "/health", skip=skip, env={"HF_HUB_OFFLINE": "1"})
 
 
+# Each takes (threads, port, model, llama_server path).
 SYSTEM_BUILDERS = {
-    "tornchat": tornchat_systems,
-    "tornchat-defaults": lambda threads, port, model: tornchat_systems(threads, port, model)[:1],
-    "baseline": lambda threads, port, model: [baseline_system(threads, port, model)],
-    "llamacpp": lambda threads, port, model: [llamacpp_system(threads, port, model)],
-    "transformers-serve": lambda threads, port, model: [transformers_serve_system(threads, port, model)],
+    "tornchat": lambda threads, port, model, _: tornchat_systems(threads, port, model),
+    "tornchat-defaults": lambda threads, port, model, _: tornchat_systems(threads, port, model)[:1],
+    "baseline": lambda threads, port, model, _: [baseline_system(threads, port, model)],
+    "llamacpp": lambda threads, port, model, llama_server: [llamacpp_system(threads, port, model, llama_server)],
+    "transformers-serve": lambda threads, port, model, _: [transformers_serve_system(threads, port, model)],
+    "llamacpp-python": lambda threads, port, model, _: [llamacpp_python_system(threads, port, model)],
 }
+# Not in the default --systems: tornchat's first row alone, and llama-cpp-python's server (not the baseline).
+OPT_IN_SYSTEMS = ("tornchat-defaults", "llamacpp-python")
 
 
 def version(package: str) -> str:
@@ -189,21 +270,6 @@ class Server:
             time.sleep(0.25)
         raise RuntimeError(f"not ready after {STARTUP_TIMEOUT_S} s: {self.log_tail()}")
 
-    def wait_measured(self) -> float:
-        """Seconds from launch until a tornchat first start has measured its formats (/health stops reporting
-        measuring_formats), so that the workloads run on the format kept; other servers: at once."""
-        url = f"http://127.0.0.1:{self.port}{self.system.ready_path}"
-        while time.perf_counter() < self.started + STARTUP_TIMEOUT_S:
-            with urllib.request.urlopen(url, timeout=2) as reply:
-                try:
-                    health = json.loads(reply.read())
-                except ValueError:  # not a JSON health document: nothing to wait for
-                    health = {}
-            if not (isinstance(health, dict) and health.get("measuring_formats")):
-                return time.perf_counter() - self.started
-            time.sleep(0.25)
-        raise RuntimeError(f"formats not measured after {STARTUP_TIMEOUT_S} s: {self.log_tail()}")
-
     def log_tail(self, lines: int = 3) -> str:
         text = self.log_path.read_text(errors="replace").strip().splitlines()
         return " | ".join(text[-lines:]) or "(no output)"
@@ -228,10 +294,12 @@ def stream_once(client, model: str, messages: list[dict], max_tokens: int, token
         model=model, messages=messages, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
         **{"temperature": 0.0, **options},
     )
-    arrivals, pieces, usage, finish_reason = [], [], None, None
+    arrivals, pieces, usage, finish_reason, timings = [], [], None, None, None
     for event in stream:
         if event.usage:
             usage = event.usage
+        if (event.model_extra or {}).get("timings"):  # llama-server's own counters, on its last chunk
+            timings = event.model_extra["timings"]
         if event.choices and event.choices[0].finish_reason:
             finish_reason = event.choices[0].finish_reason
         if event.choices and event.choices[0].delta.content:
@@ -262,6 +330,7 @@ def stream_once(client, model: str, messages: list[dict], max_tokens: int, token
         "gaps_ms": [1000 * (b - a) for a, b in zip(arrivals, arrivals[1:])],
         "server_prompt_tokens": usage.prompt_tokens if usage else None,
         "usage": usage.model_dump(exclude_none=True) if usage else None,
+        "server_timings": timings,
         "text": text,
     }
 
@@ -299,9 +368,7 @@ def drive(server: Server, system: System, port: int, workload: workloads.Workloa
     from openai import OpenAI
 
     ready_s = server.wait_ready()
-    measured_s = server.wait_measured()
-    print(f"  ready after {ready_s:.1f} s, formats measured after {measured_s:.1f} s "
-          f"(rss {server.rss.current() / 2**20:.0f} MiB)", flush=True)
+    print(f"  ready after {ready_s:.1f} s (rss {server.rss.current() / 2**20:.0f} MiB)", flush=True)
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0, timeout=600)
     # The first request of a process pays one-time costs (lazy init, allocator growth);
     # the workloads measure the steady state a user sees after that.
@@ -337,14 +404,16 @@ def drive(server: Server, system: System, port: int, workload: workloads.Workloa
     print(f"  cold chat: {cold['prompt_tokens']} prompt tokens, TTFT {cold['ttft_s'] * 1000:.0f} ms", flush=True)
     streams = runs + turns
     gaps = [gap for stream in streams for gap in stream["gaps_ms"]]
-    return {"ready_s": ready_s, "measured_s": measured_s, "short": short, "short_runs": runs, "chat": turns, "cold_chat": cold,
+    return {"ready_s": ready_s, "short": short, "short_runs": runs, "chat": turns, "cold_chat": cold,
             "gap_p50_ms": percentile(gaps, 0.5), "gap_p99_ms": percentile(gaps, 0.99),
             "tokens_per_chunk": sum(s["completion_tokens"] for s in streams) / sum(s["chunks"] for s in streams)}
 
 
-def machine(threads: int) -> dict:
+def machine(threads: int, llama_server: Path | None = None) -> dict:
     return {
         "cpu": describe(), "cores": os.cpu_count(), "threads": threads,
+        "llama_server": {"path": str(llama_server) if llama_server else None,
+                         "version": llama_server_version(llama_server)},
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "python": platform.python_version(),
         "tornchat_commit": subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
@@ -366,7 +435,8 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; every server runs with "
         f"{m['threads']} threads. {report['started']}, `python bench/e2e.py{' --quick' if s['quick'] else ''}`.",
-        f"Packages: {', '.join(f'{k} {v}' for k, v in m['packages'].items())}; tornchat at "
+        f"Packages: {', '.join(f'{k} {v}' for k, v in m['packages'].items())}; llama.cpp baseline: llama-server "
+        f"{(m.get('llama_server') or {}).get('version', 'unknown')}; tornchat at "
         f"`{m.get('tornchat_commit', 'unknown')}`.",
         "",
         f"Model: {s.get('model', 'SmolLM2-135M-Instruct.Q4_1.gguf')} (the transformers-based systems load it "
@@ -376,7 +446,7 @@ def markdown(report: dict) -> str:
         f"history plus a ~{s['user_tokens']}-token user message, {s['turn_max_tokens']} new tokens at most "
         f"per turn. One run per system on a shared machine: compare ratios, not absolute figures.",
         "",
-        "| system | ready / formats measured (s) | short TTFT (ms) | decode tok/s | chunk gap p50 / p99 (ms) "
+        "| system | ready (s) | short TTFT (ms) | decode tok/s | chunk gap p50 / p99 (ms) "
         f"| chat TTFT turn 1 (ms) | chat TTFT turn {s['turns']} (ms) | cold TTFT, whole chat (ms) | peak RSS (MiB) "
         f"| load avg |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -384,7 +454,7 @@ def markdown(report: dict) -> str:
     for entry in ran.values():
         r = entry["result"]
         lines.append(
-            f"| {entry['label']} | {r['ready_s']:.1f} / {r.get('measured_s', r['ready_s']):.1f} | {r['short']['ttft_s'] * 1000:.0f} "
+            f"| {entry['label']} | {r['ready_s']:.1f} | {r['short']['ttft_s'] * 1000:.0f} "
             f"| {fmt(r['short']['decode_tok_s'], '.1f')} | {fmt(r['gap_p50_ms'])} / {fmt(r['gap_p99_ms'])} "
             f"| {r['chat'][0]['ttft_s'] * 1000:.0f} | {r['chat'][-1]['ttft_s'] * 1000:.0f} "
             f"| {r['cold_chat']['ttft_s'] * 1000:.0f} ({r['cold_chat']['prompt_tokens']} tokens) | {r['peak_rss_mib']:.0f} "
@@ -478,9 +548,14 @@ def plot(report: dict) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="End-to-end benchmark: tornchat against what users would pick instead")
-    p.add_argument("--systems", default=",".join(name for name in SYSTEM_BUILDERS if name != "tornchat-defaults"),
-                   help=f"comma-separated, from {', '.join(SYSTEM_BUILDERS)} (default: all; tornchat-defaults is "
-                        f"tornchat's first row alone)")
+    p.add_argument("--systems", default=",".join(name for name in SYSTEM_BUILDERS if name not in OPT_IN_SYSTEMS),
+                   help=f"comma-separated, from {', '.join(SYSTEM_BUILDERS)} (default: all but "
+                        f"{' and '.join(OPT_IN_SYSTEMS)}; tornchat-defaults is tornchat's first row alone; llamacpp is "
+                        f"llama.cpp's llama-server, the baseline; llamacpp-python is llama-cpp-python's Python server, "
+                        f"never the baseline)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help=f"llama.cpp's llama-server binary, the llamacpp system (default: $LLAMA_SERVER, else "
+                        f"{DEFAULT_LLAMA_SERVER})")
     p.add_argument("--quick", action="store_true", help="fewer turns and tokens, for a smoke run")
     p.add_argument("--threads", type=int, default=2, help="threads for every server (default 2)")
     p.add_argument("--checkpoint-path", help="a GGUF file every system serves (default: the embedded model)")
@@ -492,21 +567,22 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in wanted if name not in SYSTEM_BUILDERS]
     if unknown:
         p.error(f"unknown systems {', '.join(unknown)}; choose from {', '.join(SYSTEM_BUILDERS)}")
-
-
+    llama_server = find_llama_server(args.llama_server)
+    if "llamacpp" in wanted and (problem := llama_server_problem(llama_server)):
+        p.error(f"the llama.cpp baseline: {problem}\nor leave llamacpp out of --systems.")
     workload = workloads.QUICK if args.quick else workloads.FULL
     tokenizer = checkpoint.gguf_tokenizer(model)
     user_messages = workloads.chat_user_messages(workload, tokenizer)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     report = {
         "started": datetime.now().isoformat(timespec="seconds"),
-        "machine": machine(args.threads),
+        "machine": machine(args.threads, llama_server),
         "settings": {**dataclasses.asdict(workload), "quick": args.quick, "systems": wanted, "model": model.name},
         "systems": {},
     }
     print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, {args.threads} threads", flush=True)
     for builder in wanted:
-        for system in SYSTEM_BUILDERS[builder](args.threads, free_port(), model):
+        for system in SYSTEM_BUILDERS[builder](args.threads, free_port(), model, llama_server):
             entry = report["systems"][system.name] = {"label": system.label, "command": system.command}
             if system.skip:
                 print(f"[{system.name}] skipped: {system.skip}", flush=True)

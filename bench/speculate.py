@@ -3,8 +3,23 @@
 Each system runs as a real server on loopback, one at a time, with the same
 thread count, driven through the openai SDK with streaming (bench/e2e.py's
 Server and stream_once): tornchat with `--speculate none`, `lookup` and
-`auto`, and llama-cpp-python's server plain and with its prompt-lookup draft
-model (`--draft_model prompt-lookup-decoding`, LlamaPromptLookupDecoding).
+`auto`, and llama.cpp's own C++ server, llama-server (the baseline, as in
+bench/e2e.py: same file, `-t N -tb N`, `--jinja`, `-c 4096`), plain and with
+its prompt lookup (`--spec-type ngram-simple --spec-ngram-simple-size-n 2
+--spec-ngram-simple-size-m N`: the last 2 tokens looked up in the context,
+the N tokens after the match drafted; N is --draft-tokens, default 10).
+llama-server's path: --llama-server PATH, else $LLAMA_SERVER, else
+/work/llama-server/bin/llama-server; build it as bench/e2e.py's docstring
+says (cmake from the llama.cpp that llama-cpp-python 0.3.36 vendors; AMX
+off, as its kernels segfault on an AMX Xeon):
+
+    cd llama_cpp_python-0.3.36/vendor/llama.cpp
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \\
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \\
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF -DCMAKE_C_FLAGS="$NO_AMX" -DCMAKE_CXX_FLAGS="$NO_AMX"
+    cmake --build build --target llama-server -j"$(nproc)"
+
 Workloads (bench/workloads.py): a code edit that rewrites a 60-line function
 (also sent with the original function as the request's `prediction`, which
 only tornchat takes, and with tornchat --speculate none's own reply as the
@@ -15,7 +30,8 @@ also seeded (temperature 0.8, seed 1234).
 
 Per workload and system: decode tokens/s, TTFT, completion tokens, drafted
 tokens accepted and rejected (the response's usage.completion_tokens_details;
-the engine's drafted and accepted counters on /metrics go to the JSON), and
+on llama-server its last chunk's timings.draft_n and draft_n_accepted; the
+engine's drafted and accepted counters on /metrics go to the JSON), and
 tokens per forward: completion tokens after the first over the engine's
 forwards, verifies included (the tornchat_engine_decode_steps_total delta
 around each request), which is 1 + the mean accepted draft length per
@@ -26,6 +42,7 @@ the script exits 1 when one differs.
     python bench/speculate.py                          # every system, embedded model
     python bench/speculate.py --checkpoint-path /work/models/random-llama-1b-Q4_K_M.gguf
     python bench/speculate.py --quick --systems tornchat-none,tornchat-lookup
+    python bench/speculate.py --quick --systems llamacpp,llamacpp-lookup --llama-server /path/to/llama-server
 
 Writes bench/results/speculate-<timestamp>.json (every measurement and text)
 and, for the latest run, speculate.md (the tables for the README); server
@@ -48,7 +65,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402  (sibling module; bench/ is not a package)
-from e2e import RESULTS, Server, System, fmt, free_port, llamacpp_system, machine, stream_once  # noqa: E402
+from e2e import (RESULTS, Server, System, find_llama_server, fmt, free_port, llama_server_problem,  # noqa: E402
+                 llamacpp_system, machine, stream_once)
 
 from tornchat import checkpoint  # noqa: E402
 
@@ -74,12 +92,12 @@ TARGETS = {"code edit": 1.5, "free chat": 0.95}
 @dataclass
 class Contender:
     system: System
-    family: str  # "tornchat" or "llamacpp": which request fields it takes
+    family: str  # "tornchat" or "llamacpp" (llama-server): which request fields it takes
     speculate: str  # "none", "lookup" or "auto"
 
 
 def tornchat_contender(mode: str):
-    def build(threads: int, port: int, model: Path, draft_tokens: int) -> Contender:
+    def build(threads: int, port: int, model: Path, draft_tokens: int, llama_server: Path | None) -> Contender:
         command = [sys.executable, "-m", "tornchat", "serve", "--port", str(port), "--threads", str(threads),
                    "--checkpoint-path", str(model), "--speculate", mode]
         return Contender(System(f"tornchat-{mode}", f"tornchat --speculate {mode}", command, "gpt-3.5-turbo",
@@ -88,14 +106,17 @@ def tornchat_contender(mode: str):
 
 
 def llamacpp_contender(lookup: bool):
-    def build(threads: int, port: int, model: Path, draft_tokens: int) -> Contender:
-        plain = llamacpp_system(threads, port, model)
+    def build(threads: int, port: int, model: Path, draft_tokens: int, llama_server: Path | None) -> Contender:
+        plain = llamacpp_system(threads, port, model, llama_server)
         if not lookup:
             return Contender(plain, "llamacpp", "none")
-        # llama_cpp/server/settings.py: any draft_model value selects LlamaPromptLookupDecoding (the only one).
-        draft = ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", str(draft_tokens)]
+        # common/ngram-map.cpp, common_ngram_simple_draft: the last size-n tokens (the one just sampled
+        # included) looked up backwards in the context, the size-m tokens after the match drafted. 2 and N as
+        # llama-cpp-python's LlamaPromptLookupDecoding (max_ngram_size 2, num_pred_tokens 10) had them.
+        draft = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "2",
+                 "--spec-ngram-simple-size-m", str(draft_tokens)]
         system = dataclasses.replace(plain, name="llamacpp-lookup", command=plain.command + draft,
-                                     label=f"{plain.label}, prompt-lookup draft of {draft_tokens} tokens")
+                                     label=f"{plain.label}, ngram-simple prompt lookup drafting {draft_tokens} tokens")
         return Contender(system, "llamacpp", "lookup")
     return build
 
@@ -128,11 +149,16 @@ def counter_delta(before: dict | None, after: dict | None) -> dict[str, float] |
 
 
 def prediction_counts(run: dict) -> tuple[int, int] | None:
-    """(accepted, rejected) drafted tokens from the response's usage, where the server reports them."""
+    """(accepted, rejected) drafted tokens from the response's usage, else from llama-server's timings
+    (draft_n and draft_n_accepted, left out where it drafted nothing), where the server reports them."""
     details = (run["usage"] or {}).get("completion_tokens_details") or {}
-    if details.get("accepted_prediction_tokens") is None:
+    if details.get("accepted_prediction_tokens") is not None:
+        return details["accepted_prediction_tokens"], details.get("rejected_prediction_tokens") or 0
+    timings = run.get("server_timings")
+    if timings is None:
         return None
-    return details["accepted_prediction_tokens"], details.get("rejected_prediction_tokens") or 0
+    accepted = int(timings.get("draft_n_accepted") or 0)
+    return accepted, int(timings.get("draft_n") or 0) - accepted
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -198,7 +224,7 @@ def run_cases(contender: Contender, port: int, cases: list[workloads.Speculation
     cells = {}
     for case in cases:
         if case.prediction is not None and contender.family != "tornchat":
-            continue  # llama.cpp's server has no prediction field
+            continue  # llama-server has no prediction field
         if case.predict_reply and (contender.family != "tornchat" or contender.speculate == "none" or not replies):
             continue  # needs tornchat-none's replies, and a tornchat that drafts
         for mode, options in MODES.items():
@@ -279,7 +305,8 @@ def markdown(report: dict) -> str:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; every server runs with {m['threads']} "
         f"threads. {report['started']}, `{command}`.",
-        f"Packages: {', '.join(f'{k} {v}' for k, v in m['packages'].items())}; tornchat at "
+        f"Packages: {', '.join(f'{k} {v}' for k, v in m['packages'].items())}; llama.cpp baseline: llama-server "
+        f"{(m.get('llama_server') or {}).get('version', 'unknown')}; tornchat at "
         f"`{m.get('tornchat_commit', 'unknown')}`.",
         "",
         f"Model: {s['model']}. Each system is a real server on loopback, one at a time, driven through the openai "
@@ -348,7 +375,8 @@ def markdown(report: dict) -> str:
     lines += ["", "Decode tok/s: completion tokens (the server's `usage`; else max_tokens for a reply cut there, or "
               "the reply re-tokenized) after the first, over the time from the first to the last streamed chunk. Accepted / drafted: the response's "
               "`usage.completion_tokens_details` (`accepted_prediction_tokens`, `rejected_prediction_tokens`); "
-              "llama.cpp reports neither. Tokens per forward: completion tokens after the first over the engine's "
+              "on llama-server its last chunk's `timings.draft_n` and `draft_n_accepted` (left out, so 0, where it "
+              "drafted nothing). Tokens per forward: completion tokens after the first over the engine's "
               "forwards after the prompt (`tornchat_engine_decode_steps_total` around each request), verifies "
               "included: 1.00 without speculation, 1 + the mean accepted draft length per forward with it. Tokens "
               "per chunk: "
@@ -369,7 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, help="sends of each request, medians taken (default 3; 1 with --quick)")
     p.add_argument("--threads", type=int, default=2, help="threads for every server (default 2)")
     p.add_argument("--draft-tokens", type=int, default=10,
-                   help="llama.cpp's --draft_model_num_pred_tokens (default 10, llama-cpp-python's own default)")
+                   help="llama-server's --spec-ngram-simple-size-m for llamacpp-lookup: tokens drafted after a match "
+                        "(default 10)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help="llama.cpp's llama-server binary, the llamacpp systems (default: $LLAMA_SERVER, else "
+                        "/work/llama-server/bin/llama-server)")
     p.add_argument("--workloads", help="comma-separated workload names (default: all; a prediction case needs its "
                                        "plain one too)")
     p.add_argument("--checkpoint-path", help="a GGUF file every system serves (default: the embedded model)")
@@ -383,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in wanted if name not in CONTENDERS]
     if unknown:
         p.error(f"unknown systems {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    llama_server = find_llama_server(args.llama_server)
+    if any(name.startswith("llamacpp") for name in wanted) and (problem := llama_server_problem(llama_server)):
+        p.error(f"the llama.cpp baseline: {problem}\nor leave llamacpp and llamacpp-lookup out of --systems.")
 
     tokenizer = checkpoint.gguf_tokenizer(model)
     cases = workloads.speculation_workloads()
@@ -395,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     report = {
         "started": datetime.now().isoformat(timespec="seconds"),
-        "machine": machine(args.threads),
+        "machine": machine(args.threads, llama_server),
         "settings": {"argv": sys.argv[1:] if argv is None else argv, "model": model.name, "max_tokens": max_tokens,
                      "repeats": repeats, "systems": wanted, "draft_tokens": args.draft_tokens, "modes": MODES,
                      "prompt_tokens": {case.name: workloads.prompt_tokens(case.messages, tokenizer) for case in cases}},
@@ -404,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, {args.threads} threads", flush=True)
     for name in wanted:
         port = free_port()
-        contender = CONTENDERS[name](args.threads, port, model, args.draft_tokens)
+        contender = CONTENDERS[name](args.threads, port, model, args.draft_tokens, llama_server)
         system = contender.system
         entry = report["systems"][name] = {"label": system.label, "command": system.command,
                                            "family": contender.family, "speculate": contender.speculate}

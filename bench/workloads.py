@@ -1,8 +1,10 @@
 """The benchmark's conversations: the same messages for every system, sized with the model's tokenizer.
 
 Every conversation starts with an explicit system message: SmolLM2's chat
-template inserts a default one otherwise, and llama.cpp's ChatML formatter
-does not, so only an explicit one gives every server the same prompt text.
+template inserts a default one otherwise, and a server that formats the chat
+its own way may not (llama-cpp-python's ChatML formatter does not; llama-server
+runs with --jinja, the file's own template), so only an explicit one gives
+every server the same prompt text.
 """
 import random
 from dataclasses import dataclass
