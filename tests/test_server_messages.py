@@ -233,3 +233,21 @@ def test_x_api_key_is_accepted_and_401_is_anthropic_shaped():
         # The Responses API keeps to OpenAI's header and error shape.
         responses = servers.request(server.url, "POST", "/v1/responses", {"model": "m", "input": "hi"}, {"x-api-key": "sekrit"})
         assert responses.status == 401 and responses.json()["error"]["message"] == "Invalid or missing credentials"
+
+
+def test_live_replies_match_the_documented_schemas(server, reference, forced):
+    from jsonschema import Draft202012Validator
+
+    document = servers.request(server.url, "GET", "/openapi.json").json()
+
+    def check(name: str, value: dict) -> None:
+        Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": document["components"]}).validate(value)
+
+    for reply in (reference, forced):
+        check("AnthropicMessage", reply.model_dump(mode="json", exclude_none=True))
+    for body in ({**GREEDY, "max_tokens": 2}, {**FORCED, "tool_choice": {"type": "any"}}):
+        for _, data in events(server, body):
+            check("MessageStreamEvent", data)
+    check("TokenCount", post(server, {"model": "m", "messages": COLORS}, "/v1/messages/count_tokens").json())
+    check("AnthropicError", post(server, {"model": "m", "messages": COLORS}).json())
+    check("MessagesRequest", FORCED)

@@ -243,3 +243,19 @@ def test_prompt_longer_than_the_context_names_tokens_and_context(client):
 def test_body_that_is_not_json_is_400(server):
     reply = servers.request(server.url, "POST", "/v1/responses", b"{nope", {"Content-Type": "application/json"})
     assert reply.status == 400 and "not valid JSON" in reply.json()["error"]["message"]
+
+
+def test_live_replies_match_the_documented_schemas(server, client, reference, forced):
+    from jsonschema import Draft202012Validator
+
+    document = servers.request(server.url, "GET", "/openapi.json").json()
+
+    def check(name: str, value: dict) -> None:
+        Draft202012Validator({"$ref": f"#/components/schemas/{name}", "components": document["components"]}).validate(value)
+
+    for reply in (reference, forced):
+        check("Response", reply.model_dump(mode="json", exclude_none=True))
+    for _, data in events(server, {**GREEDY, "max_output_tokens": 2}):
+        check("ResponseStreamEvent", data)
+    check("ResponsesError", post(server, {"input": COLORS}).json())
+    check("ResponseRequest", FORCED)
