@@ -113,11 +113,12 @@ def test_sdk_stream_accumulates_the_reply(claude, reference):
 
 
 def test_claude_code_fields_are_accepted_and_ignored(claude, server):
-    # As Claude Code sends them: ?beta=true, system as blocks with cache_control, a system message inside
-    # messages, content as blocks, and fields that change nothing here.
+    # As Claude Code sends them: ?beta=true, system as blocks with cache_control (the first a billing header
+    # for Anthropic, dropped), a system message inside messages, content as blocks, and fields that change nothing here.
     body = {
         "model": "m", "max_tokens": 1, "stream": False, "temperature": 0,
-        "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
+        "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.331.233; cc_entrypoint=sdk-cli;"},
+                   {"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}],
         "thinking": {"type": "enabled", "budget_tokens": 1024}, "metadata": {"user_id": "u"},
         "context_management": {"edits": []}, "output_config": {"effort": "low"}, "betas": ["x"],

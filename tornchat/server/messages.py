@@ -29,6 +29,7 @@ from tornchat.server.errors import APIError, invalid
 from tornchat.server.validate import MAX_STOP, ChatRequest
 
 ROLES = ("user", "assistant", "system")  # system: Claude Code puts one inside messages
+BILLING_HEADER = "x-anthropic-billing-header:"
 DROPPED_BLOCKS = ("thinking", "redacted_thinking")  # another model's reasoning: nothing for this prompt
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -73,7 +74,12 @@ def parse(data: dict, max_messages: int, vocab_size: int, counting: bool = False
 
 
 def _system(value) -> str:
-    """``system``: a string or text blocks (their cache_control ignored)."""
+    """``system``: a string or text blocks (their cache_control ignored).
+
+    Claude Code's first block is a billing header for Anthropic's servers
+    (``x-anthropic-billing-header: cc_version=...``), not words for the model;
+    it is dropped, so that the prompt (and the KV slot's prefix) does not hang on it.
+    """
     if value is None or isinstance(value, str):
         return value or ""
     if not isinstance(value, list):
@@ -82,7 +88,8 @@ def _system(value) -> str:
     for j, block in enumerate(value):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise invalid(f'system[{j}] must be a text block: {{"type": "text", "text": ...}}')
-        texts.append(block["text"])
+        if not block["text"].startswith(BILLING_HEADER):
+            texts.append(block["text"])
     return "\n\n".join(texts)
 
 
