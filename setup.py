@@ -54,7 +54,7 @@ setup(
     ],
     extras_require={
         # playwright drives the system Chromium (apt-get install chromium) in tests/test_web*.py.
-        "test": ["pytest>=8", "openai>=1.54", "hypothesis>=6", "jsonschema>=4.18", "psutil>=5", "playwright==1.65.2"],
+        "test": ["pytest>=8", "openai>=1.54", "hypothesis>=6", "jsonschema>=4.18", "psutil>=5", "playwright==1.65.2", "anthropic>=0.40"],
         # transformers[serving] brings fastapi and uvicorn for the `transformers serve` row of bench/e2e.py;
         # openai 1.54 added the `prediction` field bench/speculate.py sends.
         "bench": ["matplotlib>=3.8", "openai>=1.54", "psutil>=5", "transformers[serving]==5.23.0"],

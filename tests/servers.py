@@ -83,6 +83,16 @@ def sse_data(response: http.client.HTTPResponse) -> Iterator[str]:
         yield line[len(b"data: ") : -1].decode()
 
 
+def sse_events(response: http.client.HTTPResponse) -> Iterator[tuple[str, dict]]:
+    """(event name, data) of each record framed as the agents' APIs frame theirs: an event line, one data line, a blank line."""
+    while line := response.readline():
+        assert line.startswith(b"event: ") and line.endswith(b"\n"), line
+        data = response.readline()
+        assert data.startswith(b"data: ") and data.endswith(b"\n"), data
+        assert response.readline() == b"\n", "records are separated by a blank line"
+        yield line[len(b"event: ") : -1].decode(), json.loads(data[len(b"data: ") :])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -72,6 +72,32 @@ def test_decode_error_mid_stream_is_an_error_record_then_done(failing):
     assert_recovered(failing)
 
 
+def agent_events(server, path: str, body: dict) -> list[tuple[str, dict]]:
+    conn = servers.connect(server.url, timeout=60)
+    try:
+        conn.request("POST", path, json.dumps({**body, "stream": True}))
+        response = conn.getresponse()
+        assert response.status == 200
+        return list(servers.sse_events(response))
+    finally:
+        conn.close()
+
+
+def test_decode_error_in_the_agent_apis_is_in_their_own_shapes(failing):
+    responses = {"model": "m", "input": "Count to twenty.", "temperature": 0, "max_output_tokens": 8}
+    messages = {"model": "m", "messages": ASK["messages"], "temperature": 0, "max_tokens": 8}
+    reply = servers.request(failing.url, "POST", "/v1/responses", responses)
+    assert reply.status == 500 and reply.json()["error"]["message"] == "Internal server error"
+    reply = servers.request(failing.url, "POST", "/v1/messages", messages)
+    assert reply.status == 500 and reply.json() == {"type": "error", "error": {"type": "api_error", "message": "Internal server error"}}
+    name, data = agent_events(failing, "/v1/responses", responses)[-1]
+    assert name == "response.failed" and data["response"]["status"] == "failed"
+    assert data["response"]["error"] == {"code": "server_error", "message": "Generation failed"}
+    name, data = agent_events(failing, "/v1/messages", messages)[-1]
+    assert name == "error" and data == {"type": "error", "error": {"type": "api_error", "message": "Generation failed"}}
+    assert_recovered(failing)
+
+
 def test_out_of_memory_is_a_503_that_says_so_and_drops_the_slot(out_of_memory):
     slots = kv_slots(out_of_memory)
     reply = post(out_of_memory, max_tokens=8)

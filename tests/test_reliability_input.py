@@ -259,7 +259,7 @@ def test_prompt_longer_than_the_context_is_400(server):
     # The tiny model's context is 4096 tokens; this prompt has more, in far fewer bytes than the body limit.
     reply = post(server, {**ASK, "messages": [{"role": "user", "content": "hello " * 5000}]})
     assert_clean_error(server, reply)
-    assert reply.status == 400 and "context 4096" in reply.json()["detail"]
+    assert reply.status == 400 and "context of 4096 tokens" in reply.json()["detail"]
 
 
 def test_body_and_message_limits_are_clean_4xx(server):

@@ -39,6 +39,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, help="requests allowed to wait; beyond that 503 (default 16)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 4 MiB)")
     p.add_argument("--max-messages", type=int, help="most messages in one request (default 1024)")
+    p.add_argument("--responses-store", type=int,
+                   help="responses kept in memory for /v1/responses' previous_response_id; 0: none (default 256)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")
     p.add_argument("--api-auth", help="require HTTP Basic credentials user:password")
     p.add_argument("--cors-origin", help="allowed CORS origin, e.g. '*' (default: CORS off)")

@@ -22,6 +22,7 @@ class Config:
     max_queue: int = 16  # requests waiting behind the running one; beyond: 503
     max_body_bytes: int = 4 * 1024 * 1024
     max_messages: int = 1024
+    responses_store: int = 256  # /v1/responses kept in memory for previous_response_id (oldest dropped first); 0: none
     api_key: str | None = None  # Bearer token clients must send
     api_auth: str | None = None  # "user:password" for HTTP Basic
     cors_origin: str | None = None  # e.g. "*" or "http://localhost:3000"; None: CORS off

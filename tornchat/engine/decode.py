@@ -31,10 +31,7 @@ def token_budget(request: GenerationRequest, context_length: int) -> int:
         limits.append(request.max_tokens)
     budget = min(limits)
     if budget < 1:
-        raise PromptTooLong(
-            f"the prompt has {prompt_len} tokens, which leaves no room for a new token "
-            f"(max_length {request.max_length}, context {context_length})"
-        )
+        raise PromptTooLong(prompt_len, context_length, request.max_length)
     return budget
 
 

@@ -9,7 +9,24 @@ class QueueFull(Exception):
 
 
 class PromptTooLong(ValueError):
-    """The prompt leaves no room for a new token under max_length or the context."""
+    """The prompt leaves no room for a new token under max_length or the context.
+
+    Carries the numbers, so that each API can word the error its own way
+    (agents show it to the user, and some act on it: compacting the history).
+    """
+
+    def __init__(self, prompt_tokens: int, context_length: int, max_length: int | None = None):
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+        self.max_length = max_length
+        if max_length is not None and max_length < context_length:
+            limit = f"max_length {max_length} (the model's context is {context_length} tokens)"
+        else:
+            limit = f"the model's context of {context_length} tokens"
+        super().__init__(
+            f"the prompt has {prompt_tokens} tokens, which leaves no room for a reply within {limit}; "
+            "shorten the conversation"
+        )
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from tornado.web import Application
 
 from tornchat.config import Config
 from tornchat.engine.grammar import Compiler
-from tornchat.server import handlers, web
+from tornchat.server import handlers, messages, responses, web
 from tornchat.server.metrics import Metrics
 from tornchat.server.stats import ServerStats
 
@@ -24,6 +24,9 @@ ROUTES = [
     (r"/v1/models/([^/]+)", handlers.ModelHandler),
     (r"/v1/chat/completions", handlers.ChatCompletionsHandler),
     (r"/v1/completions", handlers.CompletionsHandler),
+    (r"/v1/responses", responses.ResponsesHandler),
+    (r"/v1/messages", messages.MessagesHandler),
+    (r"/v1/messages/count_tokens", messages.CountTokensHandler),
     (r"/", web.PageHandler),
     (r"/web/([^/]+)", web.AssetHandler),
 ]
@@ -71,7 +74,8 @@ def make_app(config: Config, engine) -> Application:
         server_stats=server_stats,
         metrics=Metrics(engine, server_stats),
         grammars=Compiler(engine.tokenizer),  # structured outputs: built once, at start-up
-        in_flight=set(),  # handlers with a generation submitted, for shutdown
+        in_flight=set(),
+        responses_store=responses.Store(config.responses_store),  # for previous_response_id  # handlers with a generation submitted, for shutdown
     )
 
 

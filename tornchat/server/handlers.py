@@ -62,8 +62,12 @@ class BaseHandler(RequestHandler):
         # A CORS preflight carries no credentials by design.
         if self.request.method == "OPTIONS" or self.open_access:
             return
-        if not auth.authorized(self.config, self.request.headers.get("Authorization")):
+        if not self.authorized():
             raise APIError(401, "Invalid or missing credentials")
+
+    def authorized(self) -> bool:
+        """Whether the request carries the configured credentials; an API with its own key header extends this."""
+        return auth.authorized(self.config, self.request.headers.get("Authorization"))
 
     def options(self, *args) -> None:
         if not self.config.cors_origin:
@@ -91,7 +95,11 @@ class BaseHandler(RequestHandler):
         if status_code == 401:
             for challenge in auth.challenges(self.config):
                 self.add_header("WWW-Authenticate", challenge)
-        self.write_json({"detail": detail})
+        self.write_json(self.error_body(status_code, detail, getattr(error, "code", None)))
+
+    def error_body(self, status_code: int, detail: str, code: str | None) -> dict:
+        """The JSON of an error reply; the agents' APIs answer in their own shapes."""
+        return {"detail": detail}
 
 
 class NotFoundHandler(BaseHandler):
@@ -191,7 +199,7 @@ class GenerationHandler(BaseHandler):
         try:
             self.handle = self.engine.submit(generation, lambda event: loop.add_callback(self.events.put_nowait, event))
         except PromptTooLong as exc:
-            raise invalid(str(exc)) from None
+            raise self.too_long(exc) from None
         except QueueFull:
             raise APIError(503, "Server busy: too many requests are waiting; retry shortly", {"Retry-After": "1"}) from None
         self.generating = True
@@ -205,6 +213,32 @@ class GenerationHandler(BaseHandler):
                 await self._complete(reply, parser)
         finally:
             in_flight.discard(self)
+
+    def too_long(self, exc: PromptTooLong) -> APIError:
+        """The error for a prompt that leaves no room for a reply; it names the prompt's tokens and the context."""
+        return invalid(str(exc))
+
+    def chat_generation(self, request: validate.ChatRequest) -> tuple[GenerationRequest, object]:
+        """The engine request and the reply parser for a chat-shaped request.
+
+        Every chat-like API (chat completions, Responses, Messages) maps its
+        body onto a ChatRequest and comes through here, so the same
+        conversation renders to the same tokens whichever API carries it,
+        and a KV slot filled by one turn serves the next.
+        """
+        tokenizer = self.engine.tokenizer
+        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice, request.response_format)
+        generation = GenerationRequest(
+            prompt_ids=prompt.encode(tokenizer, plan.prompt),
+            sampling=request.sampling,
+            max_tokens=request.max_tokens,
+            max_length=request.max_length,
+            stop=request.stop + plan.stops,
+            logprobs=request.logprobs,
+            grammar=self._grammar(plan.grammar),
+            prediction_ids=self._prediction_ids(request),
+        )
+        return generation, plan.parser
 
     def _grammar(self, lark: str | None) -> Grammar | None:
         if lark is None:
@@ -323,19 +357,8 @@ class ChatCompletionsHandler(GenerationHandler):
 
     async def post(self) -> None:
         request = validate.chat_request(self.body(), self.config.max_messages, self.vocab_size)
-        tokenizer = self.engine.tokenizer
-        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice, request.response_format)
-        generation = GenerationRequest(
-            prompt_ids=prompt.encode(tokenizer, plan.prompt),
-            sampling=request.sampling,
-            max_tokens=request.max_tokens,
-            max_length=request.max_length,
-            stop=request.stop + plan.stops,
-            logprobs=request.logprobs,
-            grammar=self._grammar(plan.grammar),
-            prediction_ids=self._prediction_ids(request),
-        )
-        await self.generate(generation, replies.Reply(request.call_style, self.spelling(request)), plan.parser, request)
+        generation, parser = self.chat_generation(request)
+        await self.generate(generation, replies.Reply(request.call_style, self.spelling(request)), parser, request)
 
 
 class CompletionsHandler(GenerationHandler):

@@ -408,6 +408,275 @@ def schemas(config: Config) -> dict:
     }
 
 
+TEXT_PART = {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["input_text", "output_text", "text", "refusal"]},
+                                                                      "text": {"type": "string"}}}
+RESPONSE_ITEM = {
+    "type": "object",
+    "description": "An input item: a message (type may be left out), function_call, function_call_output, or reasoning "
+                   "(accepted and dropped). Other fields (id, status) are ignored",
+    "properties": {
+        "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"]},
+        "role": {"enum": ["user", "assistant", "system", "developer"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]},
+        "call_id": {"type": "string"},
+        "name": {"type": "string"},
+        "arguments": {"type": "string", "description": "JSON-encoded arguments"},
+        "output": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_PART}]},
+    },
+}
+OUTPUT_ITEM = {
+    "type": "object",
+    "required": ["id", "type", "status"],
+    "properties": {
+        "id": {"type": "string"},
+        "type": {"enum": ["message", "function_call"]},
+        "status": {"enum": ["in_progress", "completed", "incomplete"]},
+        "role": {"const": "assistant"},
+        "content": {"type": "array", "items": {"type": "object", "required": ["type", "text"],
+                                               "properties": {"type": {"const": "output_text"}, "text": {"type": "string"}}}},
+        "call_id": {"type": "string"},
+        "name": {"type": "string"},
+        "arguments": {"type": "string"},
+    },
+}
+RESPONSE_USAGE = {
+    "type": "object",
+    "required": ["input_tokens", "output_tokens", "total_tokens"],
+    "properties": {
+        "input_tokens": {"type": "integer", "minimum": 0},
+        "input_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer", "minimum": 0}}},
+        "output_tokens": {"type": "integer", "minimum": 0},
+        "total_tokens": {"type": "integer", "minimum": 0},
+    },
+}
+ANTHROPIC_BLOCK = {
+    "type": "object",
+    "required": ["type"],
+    "description": "text, tool_use (assistant messages), tool_result (user messages); thinking blocks are accepted and dropped",
+    "properties": {
+        "type": {"enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]},
+        "text": {"type": "string"},
+        "id": {"type": "string"},
+        "name": {"type": "string"},
+        "input": {"type": "object"},
+        "tool_use_id": {"type": "string"},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+    },
+}
+ANTHROPIC_USAGE = {
+    "type": "object",
+    "required": ["input_tokens", "output_tokens"],
+    "properties": {
+        "input_tokens": {"type": "integer", "minimum": 0, "description": "Prompt tokens prefilled (not read from a KV slot)"},
+        "cache_read_input_tokens": {"type": "integer", "minimum": 0, "description": "Prompt tokens taken from a KV-cache slot"},
+        "cache_creation_input_tokens": {"type": "integer", "minimum": 0},
+        "output_tokens": {"type": "integer", "minimum": 0},
+    },
+}
+SAMPLING = {
+    "temperature": _optional({"type": "number", "minimum": 0, "maximum": 2}),
+    "top_p": _optional({"type": "number", "minimum": 0, "maximum": 1}),
+    "top_k": _optional({"type": "integer", "minimum": 1}),
+    "seed": _optional({"type": "integer"}),
+}
+
+
+def agent_schemas(config: Config) -> dict:
+    """The Responses (OpenAI) and Messages (Anthropic) APIs' bodies, as far as tornchat reads and writes them."""
+    return {
+        "ResponseRequest": {
+            "type": "object",
+            "required": ["model", "input"],
+            "description": "OpenAI's Responses API. Unlisted fields (reasoning, include, prompt_cache_key, ...) are ignored; "
+                           "tools of types other than function are ignored",
+            "properties": {
+                "model": {"type": "string"},
+                "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "maxItems": config.max_messages, "items": RESPONSE_ITEM}]},
+                "instructions": _optional({"type": "string"}),
+                "previous_response_id": _optional({"type": "string", "description": f"One of the last {config.responses_store} responses (responses_store)"}),
+                "store": _optional({"type": "boolean"}),
+                "tools": _optional({"type": "array", "items": {"type": "object", "properties": {
+                    "type": {"type": "string"}, "name": {"type": "string"}, "description": {"type": "string"},
+                    "parameters": {"type": "object"}}}}),
+                "tool_choice": _optional({"anyOf": [{"enum": ["auto", "none", "required"]}, {
+                    "type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}]}),
+                "parallel_tool_calls": _optional({"type": "boolean"}),
+                "text": _optional({"type": "object", "properties": {"format": {"type": "object", "properties": {
+                    "type": {"enum": ["text", "json_object", "json_schema"]}, "name": {"type": "string"}, "schema": {"type": "object"}}}}}),
+                "max_output_tokens": _optional({"type": "integer", "minimum": 1}),
+                "stream": _optional({"type": "boolean"}),
+                "truncation": _optional({"const": "disabled"}),
+                **SAMPLING,
+            },
+        },
+        "Response": {
+            "type": "object",
+            "required": ["id", "object", "created_at", "status", "model", "output"],
+            "description": "The reply, and the response object of the stream's lifecycle events",
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"const": "response"},
+                "created_at": {"type": "integer"},
+                "status": {"enum": ["in_progress", "completed", "incomplete", "failed"]},
+                "model": {"const": MODEL_ID},
+                "output": {"type": "array", "items": OUTPUT_ITEM},
+                "usage": _optional(RESPONSE_USAGE),
+                "error": _optional({"type": "object", "properties": {"code": {"type": "string"}, "message": {"type": "string"}}}),
+                "incomplete_details": _optional({"type": "object", "properties": {"reason": {"const": "max_output_tokens"}}}),
+                "previous_response_id": _optional({"type": "string"}),
+            },
+        },
+        "ResponseStreamEvent": {
+            "type": "object",
+            "required": ["type", "sequence_number"],
+            "description": "Each SSE record's data; its event line names the type. In order: response.created, response.in_progress, "
+                           "then per output item output_item.added, (content_part.added, output_text.delta..., output_text.done, "
+                           "content_part.done | function_call_arguments.delta..., function_call_arguments.done), output_item.done; "
+                           "last response.completed, response.incomplete (max_output_tokens) or response.failed",
+            "properties": {
+                "type": {"enum": ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
+                                  "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+                                  "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                                  "response.output_item.done", "response.completed", "response.incomplete", "response.failed"]},
+                "sequence_number": {"type": "integer", "minimum": 0},
+                "response": _ref("Response"),
+                "item": OUTPUT_ITEM,
+                "output_index": {"type": "integer", "minimum": 0},
+                "delta": {"type": "string"},
+            },
+        },
+        "ResponsesError": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"], "description": "context_length_exceeded for a prompt longer than the context"}}}},
+        },
+        "MessagesRequest": {
+            "type": "object",
+            "required": ["model", "max_tokens", "messages"],
+            "description": "Anthropic's Messages API. Ignored: thinking, metadata, context_management, output_config, "
+                           "cache_control, betas, and tools of Anthropic's server types",
+            "properties": {
+                "model": {"type": "string"},
+                "max_tokens": {"type": "integer", "minimum": 1},
+                "system": _optional({"anyOf": [{"type": "string"}, {"type": "array", "items": {
+                    "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}),
+                "messages": {"type": "array", "minItems": 1, "maxItems": config.max_messages, "items": {
+                    "type": "object", "required": ["role", "content"], "properties": {
+                        "role": {"enum": ["user", "assistant", "system"]},
+                        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": ANTHROPIC_BLOCK}]}}}},
+                "tools": _optional({"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string"}, "description": {"type": "string"}, "input_schema": {"type": "object"}}}}),
+                "tool_choice": _optional({"type": "object", "required": ["type"], "properties": {
+                    "type": {"enum": ["auto", "any", "tool", "none"]}, "name": {"type": "string"},
+                    "disable_parallel_tool_use": {"type": "boolean"}}}),
+                "stop_sequences": _optional({"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}}),
+                "stream": _optional({"type": "boolean"}),
+                **SAMPLING,
+            },
+        },
+        "AnthropicMessage": {
+            "type": "object",
+            "required": ["id", "type", "role", "model", "content", "stop_reason", "usage"],
+            "properties": {
+                "id": {"type": "string"},
+                "type": {"const": "message"},
+                "role": {"const": "assistant"},
+                "model": {"const": MODEL_ID},
+                "content": {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+                    "type": {"enum": ["text", "tool_use"]}, "text": {"type": "string"}, "id": {"type": "string"},
+                    "name": {"type": "string"}, "input": {"type": "object"}}}},
+                "stop_reason": {"enum": ["end_turn", "max_tokens", "tool_use", None]},
+                "stop_sequence": {"type": "null"},
+                "usage": ANTHROPIC_USAGE,
+            },
+        },
+        "MessageStreamEvent": {
+            "type": "object",
+            "required": ["type"],
+            "description": "Each SSE record's data; its event line names the type. In order: message_start, ping, per block "
+                           "content_block_start, content_block_delta (text_delta or input_json_delta)..., content_block_stop; "
+                           "then message_delta (stop_reason, usage) and message_stop; or an error event",
+            "properties": {
+                "type": {"enum": ["message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+                                  "message_delta", "message_stop", "error"]},
+                "message": _ref("AnthropicMessage"),
+                "index": {"type": "integer", "minimum": 0},
+                "content_block": {"type": "object"},
+                "delta": {"type": "object"},
+                "usage": ANTHROPIC_USAGE,
+            },
+        },
+        "CountTokensRequest": {
+            "type": "object",
+            "required": ["model", "messages"],
+            "description": "A Messages request (max_tokens not needed)",
+            "properties": {"model": {"type": "string"}, "messages": {"type": "array", "minItems": 1}, "system": {}, "tools": {}},
+        },
+        "TokenCount": {"type": "object", "required": ["input_tokens"], "properties": {"input_tokens": {"type": "integer", "minimum": 0}}},
+        "AnthropicError": {
+            "type": "object",
+            "required": ["type", "error"],
+            "properties": {
+                "type": {"const": "error"},
+                "error": {"type": "object", "required": ["type", "message"], "properties": {
+                    "type": {"type": "string"},
+                    "message": {"type": "string", "description": "A prompt longer than the context: 'prompt is too long: N tokens > M maximum ...'"}}},
+            },
+        },
+    }
+
+
+def _agent_paths() -> dict:
+    unauthorized = "Missing or wrong credentials (only when --api-key or --api-auth is set)"
+
+    def errors(schema: dict, key_header: str) -> dict:
+        return {
+            "400": _json(schema, "Invalid request: the message names the field, or the prompt is too long for the context"),
+            "401": _json(schema, unauthorized + key_header),
+            "413": _json(schema, "Body larger than max_body_bytes"),
+            "500": _json(schema, "Internal server error (no details)"),
+            "503": _json(schema, "Queue full, device out of memory, or server shutting down; with Retry-After"),
+        }
+
+    anthropic_errors = errors(_ref("AnthropicError"), "; x-api-key is accepted beside Authorization: Bearer")
+    beta = [{"name": "beta", "in": "query", "required": False, "schema": {"type": "string"}, "description": "Accepted, ignored"}]
+    return {
+        "/v1/responses": {
+            "post": {
+                "summary": "OpenAI's Responses API (Codex CLI): the next output items, as one JSON body or a stream of named events",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("ResponseRequest")}}},
+                "responses": {
+                    "200": {"description": "The response (stream false) or its events (stream true)", "content": {
+                        "application/json": {"schema": _ref("Response")}, "text/event-stream": {"schema": _ref("ResponseStreamEvent")}}},
+                    **errors(_ref("ResponsesError"), ""),
+                },
+            }
+        },
+        "/v1/messages": {
+            "post": {
+                "summary": "Anthropic's Messages API (Claude Code): the assistant's next message, as one JSON body or a stream of named events",
+                "parameters": beta,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("MessagesRequest")}}},
+                "responses": {
+                    "200": {"description": "The message (stream false) or its events (stream true)", "content": {
+                        "application/json": {"schema": _ref("AnthropicMessage")}, "text/event-stream": {"schema": _ref("MessageStreamEvent")}}},
+                    **anthropic_errors,
+                },
+            }
+        },
+        "/v1/messages/count_tokens": {
+            "post": {
+                "summary": "The prompt tokens /v1/messages would have for this request; nothing is generated",
+                "parameters": beta,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("CountTokensRequest")}}},
+                "responses": {"200": _json(_ref("TokenCount"), "The count"), **anthropic_errors},
+            }
+        },
+    }
+
+
 def _page(summary: str, content_type: str, parameters: list | None = None) -> dict:
     """A file of the chat page: open, like /health, and absent with --no-web-ui."""
     get = {"summary": summary, "security": [{}], "responses": {"200": {"description": summary, "content": {content_type: {"schema": {"type": "string"}}}}}}
@@ -500,6 +769,7 @@ def _paths(config: Config) -> dict:
                 },
             }
         },
+        **_agent_paths(),
         **(_web_paths() if config.web_ui else {}),
     }
 
@@ -513,8 +783,8 @@ def document(config: Config) -> dict:
         schemes["basicAuth"] = {"type": "http", "scheme": "basic"}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "tornchat", "version": __version__, "description": "OpenAI-compatible chat completions"},
+        "info": {"title": "tornchat", "version": __version__, "description": "OpenAI-compatible chat completions, with the OpenAI Responses and Anthropic Messages APIs"},
         "paths": _paths(config),
-        "components": {"schemas": schemas(config), "securitySchemes": schemes},
+        "components": {"schemas": {**schemas(config), **agent_schemas(config)}, "securitySchemes": schemes},
         "security": [{name: []} for name in schemes] if auth.required(config) else [{}],
     }

@@ -11,3 +11,8 @@ def record(payload: dict) -> bytes:
 def error_record(message: str, kind: str) -> bytes:
     """An error after the stream has started; OpenAI clients raise it as an APIError."""
     return record({"error": {"message": message, "type": kind}})
+
+
+def event(name: str, payload: dict) -> bytes:
+    """A record with an ``event:`` line, as the Responses and Messages APIs frame theirs."""
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"

@@ -1,0 +1,132 @@
+"""The agents' APIs against chat completions: the same greedy request streamed through each, same server, same run.
+
+For /v1/chat/completions, /v1/responses and /v1/messages in turn (the order
+rotates each round): time to the first piece of text, and decode tokens/s
+(the tokens after the first over the time they took), read as raw SSE over
+loopback from the real server process. The prompt is the same on all three
+(they render it to the same tokens), so after the first request it comes
+from a KV slot on every path: the figures compare the APIs' own costs. Then
+a second turn through each agent API (the first turn's reply and a new user
+message appended): its cached prompt tokens against its prompt's length.
+
+    python bench/agents_apis.py [--tokens 64] [--rounds 3]
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import servers  # noqa: E402  (the test helper that starts the real server)
+
+QUESTION = "Write a long, detailed story about a dragon who learns to bake bread."
+
+
+def bodies(tokens: int) -> dict:
+    return {
+        "chat": ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
+                                          "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}),
+        "responses": ("/v1/responses", {"model": "m", "input": QUESTION, "temperature": 0, "max_output_tokens": tokens, "stream": True}),
+        "messages": ("/v1/messages", {"model": "m", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
+                                      "max_tokens": tokens, "stream": True}),
+    }
+
+
+def records(response):
+    """(event name or None, data) of each SSE record, either framing."""
+    name = None
+    while line := response.readline():
+        line = line.decode().rstrip("\n")
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            data = line[len("data: "):]
+            yield name, (None if data == "[DONE]" else json.loads(data))
+            name = None
+
+
+def text_of(api: str, data: dict) -> str:
+    if api == "chat":
+        return (data.get("choices") or [{}])[0].get("delta", {}).get("content") or ""
+    if api == "responses":
+        return data.get("delta", "") if data.get("type") == "response.output_text.delta" else ""
+    return data.get("delta", {}).get("text", "") if data.get("type") == "content_block_delta" else ""
+
+
+def output_tokens(api: str, data: dict) -> int | None:
+    if api == "chat" and data.get("usage"):
+        return data["usage"]["completion_tokens"]
+    if api == "responses" and data.get("type") in ("response.completed", "response.incomplete"):
+        return data["response"]["usage"]["output_tokens"]
+    if api == "messages" and data.get("type") == "message_delta":
+        return data["usage"]["output_tokens"]
+    return None
+
+
+def run(server, api: str, path: str, body: dict) -> dict:
+    conn = servers.connect(server.url)
+    start = time.perf_counter()
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    first = last = None
+    text, tokens = "", None
+    for _, data in records(response):
+        if data is None:
+            continue
+        if piece := text_of(api, data):
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            text += piece
+        tokens = output_tokens(api, data) or tokens
+    conn.close()
+    return {"ttft_ms": (first - start) * 1000, "decode_tps": (tokens - 1) / (last - first), "tokens": tokens, "text": text}
+
+
+def second_turn(server, tokens: int) -> dict:
+    """The agent APIs' next turn: cached prompt tokens against the prompt's length."""
+    found = {}
+    first = servers.request(server.url, "POST", "/v1/responses", {**bodies(tokens)["responses"][1], "stream": False}).json()
+    reply = first["output"][0]["content"][0]["text"]
+    second = servers.request(server.url, "POST", "/v1/responses", {
+        "model": "m", "temperature": 0, "max_output_tokens": 4,
+        "input": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter, please."}],
+    }).json()["usage"]
+    found["responses"] = {"prompt_tokens": second["input_tokens"], "cached_tokens": second["input_tokens_details"]["cached_tokens"]}
+    first = servers.request(server.url, "POST", "/v1/messages", {**bodies(tokens)["messages"][1], "stream": False}).json()
+    reply = first["content"][0]["text"]
+    second = servers.request(server.url, "POST", "/v1/messages", {
+        "model": "m", "temperature": 0, "max_tokens": 4,
+        "messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter, please."}],
+    }).json()["usage"]
+    found["messages"] = {"prompt_tokens": second["input_tokens"] + second["cache_read_input_tokens"], "cached_tokens": second["cache_read_input_tokens"]}
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    with servers.running() as server:
+        apis = list(bodies(args.tokens).items())
+        results = {api: [] for api, _ in apis}
+        texts = {}
+        api, (path, body) = apis[0]
+        run(server, api, path, body)  # warm-up: the prompt into a slot
+        for round_ in range(args.rounds):
+            for api, (path, body) in apis[round_ % 3:] + apis[: round_ % 3]:
+                result = run(server, api, path, body)
+                texts.setdefault(api, result.pop("text"))
+                results[api].append(result)
+        summary = {api: {key: round(statistics.median(r[key] for r in runs), 1) for key in ("ttft_ms", "decode_tps")}
+                   for api, runs in results.items()}
+        summary["same_text"] = len(set(texts.values())) == 1
+        summary["second_turn"] = second_turn(server, args.tokens)
+        print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
