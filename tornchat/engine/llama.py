@@ -150,9 +150,9 @@ def from_transformers(model: torch.nn.Module) -> tuple[LlamaConfig, LlamaWeights
 
 
 def pack(weights: LlamaWeights, quantize: str, group_size: int = quant.CUDA_GROUP, keep: bool = False) -> LlamaWeights:
-    """Plain weights in a ``QUANTIZE`` format, one layer at a time: on the CPU GGML blocks
-    (``quant.to_blocks``: none F32, bf16 BF16, int8 Q8_0, int4 Q4_1 with a Q8_0 head), on CUDA tinygemm int4 (``int4``) or
-    plain (``none``). Unless ``keep``, each plain layer is dropped once packed, so that the model is never
+    """Plain weights in a ``QUANTIZE`` format, one layer at a time: on the CPU GGML blocks (``quant.to_blocks``:
+    none F32, bf16 BF16, int8 Q8_0, int4 Q4_1 with a Q8_0 head), on CUDA tinygemm int4 (``int4``) or plain
+    (``none``). Unless ``keep``, each plain layer is dropped once packed, so that the model is never
     held twice. A tied embedding reads its rows from the packed head where that can give them back."""
     if quantize not in QUANTIZE:
         raise ValueError(f"unknown quantize mode {quantize!r} ({' | '.join(QUANTIZE)})")
@@ -177,14 +177,9 @@ def pack(weights: LlamaWeights, quantize: str, group_size: int = quant.CUDA_GROU
         if not keep:
             weights.layers[i] = None  # the caller gives the plain weights up: free each layer once packed
     head = pack_head(weights.head)
-    readable = quant.dequantize(head, torch.float32, torch.zeros(1, dtype=torch.long, device=head_device(head))) is not None
+    readable = not isinstance(head, quant.CudaInt4Weight)  # tinygemm's layout gives no rows back
     embed = head if weights.embed is weights.head and readable else weights.embed
     return LlamaWeights(embed=embed, layers=packed, final_norm=weights.final_norm, head=head)
-
-
-def head_device(w: quant.Weight) -> torch.device:
-    return w.parts[0].device if isinstance(w, quant.BlockWeight) else w.packed.device if isinstance(
-        w, quant.CudaInt4Weight) else w.device
 
 
 def weights_label(weights: LlamaWeights) -> str:

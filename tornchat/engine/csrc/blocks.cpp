@@ -129,6 +129,8 @@ struct Acts {
   std::vector<int8_t> qv;
   std::vector<float> tile_d, tile_ds;
   std::vector<int32_t> tile_sums, tile_first, tile_second;
+  // the same sums times the offsets the types subtract (8, 16, 128; Q6_K's 32), added to the tiles' dots
+  std::vector<int32_t> tile_sums3, tile_sums4, tile_sums7, tile_first5, tile_second5;
 };
 
 // Fills the amx path's part of a (the rows / 16 whole tiles of 16 rows).
@@ -136,7 +138,9 @@ inline void tile_rows(Acts& a) {
   const int64_t tiles = a.rows / 16;
   a.qv.resize(tiles * a.nb * 512);
   for (auto* v : {&a.tile_d, &a.tile_ds}) v->resize(tiles * a.nb * 16);
-  for (auto* v : {&a.tile_sums, &a.tile_first, &a.tile_second}) v->resize(tiles * a.nb * 16);
+  for (auto* v : {&a.tile_sums, &a.tile_first, &a.tile_second, &a.tile_sums3, &a.tile_sums4, &a.tile_sums7,
+                  &a.tile_first5, &a.tile_second5})
+    v->resize(tiles * a.nb * 16);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t tile = t0; tile < t1; ++tile)
       for (int64_t b = 0; b < a.nb; ++b) {
@@ -146,6 +150,9 @@ inline void tile_rows(Acts& a) {
           for (int t = 0; t < 8; ++t) std::memcpy(dst + 64 * t + 4 * m, a.q.data() + r * a.k + b * QK + 4 * t, 4);
           a.tile_d[to] = a.d[at], a.tile_ds[to] = a.ds[at];
           a.tile_sums[to] = a.neg_sums[at], a.tile_first[to] = a.neg_first[at], a.tile_second[to] = a.neg_second[at];
+          a.tile_sums3[to] = a.neg_sums[at] * 8, a.tile_sums4[to] = a.neg_sums[at] * 16;
+          a.tile_sums7[to] = a.neg_sums[at] * 128;
+          a.tile_first5[to] = a.neg_first[at] * 32, a.tile_second5[to] = a.neg_second[at] * 32;
         }
       }
   });
@@ -425,6 +432,9 @@ Isa chosen_isa() {
   return cpu_isas().front();
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
 void quantize_rows(const float* x, int64_t rows, int64_t k, Acts& a) {
   a.rows = rows, a.k = k, a.nb = k / QK, a.nbp = (a.nb + 7) / 8 * 8;
   a.q.resize(rows * k);
@@ -444,7 +454,10 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, Acts& a) {
         int8_t* q = a.q.data() + r * k + b * QK;
         int32_t sums[2] = {0, 0};
         for (int i = 0; i < QK; ++i) {
-          float v = std::nearbyint(xb[i] * inverse);  // the default rounding: to nearest, ties to even
+          // round to nearest, ties to even (as nearbyint in the default rounding mode, without its call):
+          // exact for |v| < 2^22, and |x * inverse| <= 127 (NaN stays NaN and is clamped as before)
+          const float scaled = xb[i] * inverse;  // rounded to fp32 (no contraction: see the attribute)
+          float v = (scaled + 12582912.0f) - 12582912.0f;
           v = std::min(127.0f, std::max(-127.0f, v));
           q[i] = static_cast<int8_t>(v);
           sums[i / 16] += q[i];
@@ -501,8 +514,9 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
   if (any_quant && isa == Isa::amx && rows >= 16) tile_rows(acts);
   acts.rows = rows, acts.k = k;
 
-  // Chunks of columns, each within one part, that the threads share.
-  constexpr int64_t CHUNK = 32;
+  // Chunks of columns, each within one part, that the threads share (the amx path's: wider, each unpacked
+  // once for all the rows).
+  const int64_t CHUNK = isa == Isa::amx && rows >= 16 && any_quant ? 128 : 32;
   std::vector<Job> jobs;
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (job, first column)
   int64_t offset = 0;
@@ -899,8 +913,12 @@ void float_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
 template <int64_t T, int R>
 void tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* const* out) {
   if constexpr (is_float(T)) {
-    constexpr int F = R < 4 ? R : 4;  // the float kernels keep all their accumulators in registers
-    for (int r = 0; r < R; r += F) float_tile<T, F>(jb, w, rows + r, out + r * COLS);
+    // the float kernels keep all their accumulators in registers: at most 4 rows at a time
+    for (int r = 0; r < R;) {
+      if (R - r >= 4) float_tile<T, 4>(jb, w, rows + r, out + r * COLS), r += 4;
+      else if (R - r >= 2) float_tile<T, 2>(jb, w, rows + r, out + r * COLS), r += 2;
+      else float_tile<T, 1>(jb, w, rows + r, out + r * COLS), r += 1;
+    }
   } else {
     quant_tile<T, R>(jb, w, rows, out);
   }
@@ -925,99 +943,116 @@ struct alignas(64) TileConfig {
 };
 
 template <int64_t T>
-AMX_TARGET void amx_columns(const Job& jb, int64_t c, int64_t c1, int64_t rows16) {
+AMX_TARGET void amx_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
   const Acts& a = *jb.a;
   const int64_t nb = jb.nb;
   constexpr int sh = offset_shift(T);
-  const uint8_t* w[16];
-  for (int i = 0; i < 16; ++i) w[i] = jb.w + std::min(c + i, c1 - 1) * jb.row_bytes;
-  thread_local std::vector<uint8_t> levels16;  // per block: 16 columns x 32 levels
-  thread_local std::vector<float> scales;  // per block: ws, wm, lo, hi of each column
-  levels16.resize(nb * 512);
-  scales.resize(nb * 64);
-  for (int64_t g = 0; g < (nb + 7) / 8; ++g) {
-    const int nj = static_cast<int>(std::min<int64_t>(8, nb - g * 8));
-    for (int i = 0; i < 16; ++i) {
-      __m256 m[4];
-      meta<T>(w[i], g, nj, m[0], m[1], m[2], m[3]);
-      alignas(32) float tmp[4][8];
-      for (int f = 0; f < 4; ++f) _mm256_store_ps(tmp[f], m[f]);
-      for (int j = 0; j < nj; ++j) {
-        for (int f = 0; f < 4; ++f) scales[(g * 8 + j) * 64 + f * 16 + i] = tmp[f][j];
-        __m256i v = levels<T>(w[i], g, j);
-        if (T == Q8_0) v = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(levels16.data() + (g * 8 + j) * 512 + 32 * i), v);
+  const int64_t panels = (c1 - c0 + 15) / 16;
+  thread_local std::vector<uint8_t> levels16;  // per panel of 16 columns and block: 16 columns x 32 levels
+  thread_local std::vector<float> scales;  // per panel and block: ws, wm, lo, hi of each column
+  levels16.resize(panels * nb * 512);
+  scales.resize(panels * nb * 64);
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint8_t* w[16];
+    for (int i = 0; i < 16; ++i) w[i] = jb.w + std::min(c0 + 16 * p + i, c1 - 1) * jb.row_bytes;
+    uint8_t* lv16 = levels16.data() + p * nb * 512;
+    float* sc16 = scales.data() + p * nb * 64;
+    for (int64_t g = 0; g < (nb + 7) / 8; ++g) {
+      const int nj = static_cast<int>(std::min<int64_t>(8, nb - g * 8));
+      for (int i = 0; i < 16; ++i) {
+        __m256 m[4];
+        meta<T>(w[i], g, nj, m[0], m[1], m[2], m[3]);
+        alignas(32) float tmp[4][8];
+        for (int f = 0; f < 4; ++f) _mm256_store_ps(tmp[f], m[f]);
+        for (int j = 0; j < nj; ++j) {
+          for (int f = 0; f < 4; ++f) sc16[(g * 8 + j) * 64 + f * 16 + i] = tmp[f][j];
+          __m256i v = levels<T>(w[i], g, j);
+          if (T == Q8_0) v = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(lv16 + (g * 8 + j) * 512 + 32 * i), v);
+        }
       }
     }
   }
-  // TDPBUSD: tile 0/1 [16 columns][16 rows] int32 += tile 2/4 (levels, unsigned: [16 columns][32 or 16
-  // features]) times tile 3/5 (activations, signed: [features / 4][16 rows x 4 features]).
+  // TDPBUSD: a dots tile [16 columns][16 rows] int32 (from zero; the rows' -offset * sums are added in the
+  // fp32 loop) += a levels tile (unsigned: [16 columns][32 or 16 features]) times an
+  // activations tile (signed: [features / 4][16 rows x 4 features]). Blocks go through a ring of NT turns,
+  // each with its own tiles, so that several blocks' tile work is in flight while one block's fp32 work runs.
+  constexpr int NT = T == Q6_K ? 2 : 4;
   TileConfig cfg{};
   cfg.palette = 1;
-  cfg.rows[0] = cfg.rows[1] = 16, cfg.colsb[0] = cfg.colsb[1] = 64;
-  cfg.rows[2] = 16, cfg.colsb[2] = 32;
-  cfg.rows[3] = 8, cfg.colsb[3] = 64;
-  cfg.rows[4] = 16, cfg.colsb[4] = 16;  // Q6_K: 16 features at a time
-  cfg.rows[5] = 4, cfg.colsb[5] = 64;
-  cfg.rows[6] = cfg.rows[7] = 16, cfg.colsb[6] = cfg.colsb[7] = 64;  // tiles 0, 1 and 6, 7 take turns
+  for (int i : {0, 1, 6, 7}) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+  for (int i : {2, 4}) cfg.rows[i] = 16, cfg.colsb[i] = T == Q6_K ? 16 : 32;
+  for (int i : {3, 5}) cfg.rows[i] = T == Q6_K ? 4 : 8, cfg.colsb[i] = 64;
   _tile_loadconfig(&cfg);
-  alignas(64) int32_t dots[2][2][256];  // [turn][Q6_K's first, second 16 features][column x row]
-  // One block's products into the tiles and dots of a turn (the next block's run while this one's fp32 work
-  // does).
-  const auto issue = [&](int64_t tile, int64_t b, int turn) AMX_TARGET {
-    const uint8_t* lv = levels16.data() + b * 512;
+  alignas(64) int32_t dots[NT][2][256];  // [turn][Q6_K's first, second 16 features][column x row]
+  // the rows' -offset * sums per block, added to the dots (Q6_K: of the first and of the second 16 features)
+  const int32_t* start = T == Q6_K ? a.tile_first5.data() : sh == 3 ? a.tile_sums3.data() :
+                         sh == 4 ? a.tile_sums4.data() : T == Q8_0 ? a.tile_sums7.data() : nullptr;
+  const int32_t* start2 = a.tile_second5.data();
+  const auto issue = [&](int64_t tile, int64_t p, int64_t b, int turn) AMX_TARGET {
+    const uint8_t* lv = levels16.data() + (p * nb + b) * 512;
     const int8_t* qv = a.qv.data() + (tile * nb + b) * 512;
-#define TORNCHAT_AMX_BLOCK(C0, C1)            \
-    if constexpr (T == Q6_K) {                 \
-      _tile_zero(C0);                          \
-      _tile_zero(C1);                          \
-      _tile_loadd(4, lv, 32);                  \
-      _tile_loadd(5, qv, 64);                  \
-      _tile_dpbusd(C0, 4, 5);                  \
-      _tile_loadd(4, lv + 16, 32);             \
-      _tile_loadd(5, qv + 256, 64);            \
-      _tile_dpbusd(C1, 4, 5);                  \
-      _tile_stored(C0, dots[turn][0], 64);     \
-      _tile_stored(C1, dots[turn][1], 64);     \
-    } else {                                   \
-      _tile_zero(C0);                          \
-      _tile_loadd(2, lv, 32);                  \
-      _tile_loadd(3, qv, 64);                  \
-      _tile_dpbusd(C0, 2, 3);                  \
-      _tile_stored(C0, dots[turn][0], 64);     \
-    }
-    if (turn == 0) {
-      TORNCHAT_AMX_BLOCK(0, 1)
+#define TORNCHAT_AMX_Q6(C0, C1, TURN)          \
+    _tile_zero(C0);                            \
+    _tile_zero(C1);                            \
+    _tile_loadd(2, lv, 32);                    \
+    _tile_loadd(3, qv, 64);                    \
+    _tile_loadd(4, lv + 16, 32);               \
+    _tile_loadd(5, qv + 256, 64);              \
+    _tile_dpbusd(C0, 2, 3);                    \
+    _tile_dpbusd(C1, 4, 5);                    \
+    _tile_stored(C0, dots[TURN][0], 64);       \
+    _tile_stored(C1, dots[TURN][1], 64);
+#define TORNCHAT_AMX_ONE(C, A, B, TURN)        \
+    _tile_zero(C);                             \
+    _tile_loadd(A, lv, 32);                    \
+    _tile_loadd(B, qv, 64);                    \
+    _tile_dpbusd(C, A, B);                     \
+    _tile_stored(C, dots[TURN][0], 64);
+    if constexpr (T == Q6_K) {
+      if (turn == 0) { TORNCHAT_AMX_Q6(0, 1, 0) } else { TORNCHAT_AMX_Q6(6, 7, 1 % NT) }
     } else {
-      TORNCHAT_AMX_BLOCK(6, 7)
+      switch (turn) {
+        case 0: TORNCHAT_AMX_ONE(0, 2, 3, 0) break;
+        case 1: TORNCHAT_AMX_ONE(1, 4, 5, 1 % NT) break;
+        case 2: TORNCHAT_AMX_ONE(6, 2, 3, 2 % NT) break;
+        default: TORNCHAT_AMX_ONE(7, 4, 5, 3 % NT) break;
+      }
     }
-#undef TORNCHAT_AMX_BLOCK
+#undef TORNCHAT_AMX_ONE
+#undef TORNCHAT_AMX_Q6
   };
   alignas(64) float result[8][16][16];  // [lane][column][row]
-  const int valid = static_cast<int>(std::min<int64_t>(16, c1 - c));
-  for (int64_t r0 = 0; r0 < rows16; r0 += 16) {
-    const int64_t tile = r0 / 16;
+  // Each 16 rows' activations meet every panel of the unpacked columns, and write whole lines of out.
+  for (int64_t r0 = 0; r0 < rows16; r0 += 16)
+    for (int64_t p = 0; p < panels; ++p) {
+    const int64_t tile = r0 / 16, c = c0 + 16 * p;
+    const int valid = static_cast<int>(std::min<int64_t>(16, c1 - c));
+    const float* sc16 = scales.data() + p * nb * 64;
     // Lane j's chain takes blocks j, j + 8, ... in order: one lane at a time keeps its 16 columns' chains
     // in registers.
     for (int j = 0; j < 8; ++j) {
       __m512 acc[16];
       for (int n = 0; n < 16; ++n) acc[n] = _mm512_setzero_ps();
-      int turn = 0;
-      if (j < nb) issue(tile, j, 0);
-      for (int64_t b = j; b < nb; b += 8, turn ^= 1) {
-        if (b + 8 < nb) issue(tile, b + 8, turn ^ 1);
+      const int64_t count = j < nb ? (nb - j + 7) / 8 : 0;  // blocks j, j + 8, ...
+      for (int64_t i = 0; i < std::min<int64_t>(NT - 1, count); ++i) issue(tile, p, j + 8 * i, static_cast<int>(i));
+      for (int64_t i = 0; i < count; ++i) {
+        const int turn = static_cast<int>(i % NT);
+        if (i + NT - 1 < count) issue(tile, p, j + 8 * (i + NT - 1), static_cast<int>((i + NT - 1) % NT));
+        const int64_t b = j + 8 * i;
         const int32_t* dot0 = dots[turn][0];
         const int32_t* dot1 = dots[turn][1];
         const int64_t to = (tile * nb + b) * 16;
-        const __m512 d = _mm512_loadu_ps(a.tile_d.data() + to), ds = _mm512_loadu_ps(a.tile_ds.data() + to);
-        const float* sc = scales.data() + b * 64;
+        const __m512 d = _mm512_loadu_ps(a.tile_d.data() + to);
+        const float* sc = sc16 + b * 64;
         __m512i offset = _mm512_setzero_si512(), offset2 = _mm512_setzero_si512();
         if constexpr (T == Q6_K) {
-          offset = _mm512_slli_epi32(_mm512_loadu_si512(a.tile_first.data() + to), sh);
-          offset2 = _mm512_slli_epi32(_mm512_loadu_si512(a.tile_second.data() + to), sh);
+          offset = _mm512_loadu_si512(start + to);
+          offset2 = _mm512_loadu_si512(start2 + to);
         } else if constexpr (sh >= 0 || T == Q8_0) {
-          offset = _mm512_slli_epi32(_mm512_loadu_si512(a.tile_sums.data() + to), sh >= 0 ? sh : 7);
+          offset = _mm512_loadu_si512(start + to);
         }
+#pragma GCC unroll 16
         for (int n = 0; n < 16; ++n) {
           if constexpr (T == Q6_K) {
             const __m512i first = _mm512_add_epi32(_mm512_load_si512(dot0 + 16 * n), offset);
@@ -1028,7 +1063,8 @@ AMX_TARGET void amx_columns(const Job& jb, int64_t c, int64_t c1, int64_t rows16
             const __m512i dot = _mm512_add_epi32(_mm512_load_si512(dot0 + 16 * n), offset);
             acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(sc[n]), d), acc[n]);
           }
-          if constexpr (has_min(T)) acc[n] = _mm512_fmadd_ps(_mm512_set1_ps(sc[16 + n]), ds, acc[n]);
+          if constexpr (has_min(T))
+            acc[n] = _mm512_fmadd_ps(_mm512_set1_ps(sc[16 + n]), _mm512_loadu_ps(a.tile_ds.data() + to), acc[n]);
         }
       }
       for (int n = 0; n < 16; ++n) _mm512_store_ps(result[j][n], acc[n]);
@@ -1056,7 +1092,7 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
   if constexpr (!is_float(T)) {
     if (jb.amx && nrows >= 16) {
       first_row = nrows / 16 * 16;
-      for (int64_t c = c0; c < c1; c += 16) amx_columns<T>(jb, c, c1, first_row);
+      amx_columns<T>(jb, c0, c1, first_row);
     }
   }
 #endif
@@ -1068,7 +1104,8 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
       int64_t r = rb;
       while (r < re) {
         const int64_t left = re - r;
-        const int R = left >= PASS_RMAX ? PASS_RMAX : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        // up to 8 rows in one tile of their own height: each weight block read and unpacked once
+        const int R = left >= PASS_RMAX ? PASS_RMAX : left >= 8 ? 8 : static_cast<int>(left);
         int64_t rows[PASS_RMAX];
         float* out[PASS_RMAX * COLS];
         for (int i = 0; i < R; ++i) {
@@ -1080,7 +1117,11 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
 #if PASS_RMAX > 8
         else if (R == 8) tile<T, 8>(jb, w, rows, out);
 #endif
+        else if (R == 7) tile<T, 7>(jb, w, rows, out);
+        else if (R == 6) tile<T, 6>(jb, w, rows, out);
+        else if (R == 5) tile<T, 5>(jb, w, rows, out);
         else if (R == 4) tile<T, 4>(jb, w, rows, out);
+        else if (R == 3) tile<T, 3>(jb, w, rows, out);
         else if (R == 2) tile<T, 2>(jb, w, rows, out);
         else tile<T, 1>(jb, w, rows, out);
         r += R;
