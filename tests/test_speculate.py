@@ -76,6 +76,30 @@ def test_misses_shrink_drafts_to_none_and_faded_evidence_tries_again():
     assert drafter.propose(4) == [0]  # the misses have faded towards the prior: the latest "1 2 3" again
 
 
+def test_measured_costs_time_a_few_verify_sizes_and_interpolate_the_rest(monkeypatch):
+    """A start waits on the measurement: rows 1, 2, 4 and 8 are timed, the others interpolated."""
+    clock, timed = [0.0], []
+
+    class Runner:  # a verify of r rows takes r + 1 units of a fake clock
+        def new_cache(self):
+            return type("Cache", (), {"length": 0})()
+
+        def forward(self, ids, cache):
+            cache.length = len(ids)
+
+        def truncate(self, cache, length):
+            cache.length = length
+
+        def verify(self, ids, cache):
+            timed.append(len(ids))
+            clock[0] += len(ids) + 1
+
+    monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
+    costs = speculate.measure(Runner(), list(range(20)))
+    assert sorted(set(timed)) == [1, 2, 4, 8]
+    assert costs.relative == (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5)
+
+
 def test_a_prediction_is_drafted_from_the_first_token_and_never_starves():
     """The reply's first token starts the prediction: drafting follows it at once (not after an n-gram has
     matched), and even where the estimate says drafts do not pay, one predicted token is tried, so that

@@ -14,6 +14,7 @@ from tornchat.kernels.stopcheck import prompt_bytes
 log = logging.getLogger("tornchat.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MEASURE_CONTEXT = 16  # tokens of the sample chat a verify's cost is measured after
 
 
 def pick_device(name: str) -> str:
@@ -103,7 +104,9 @@ def _build_on_worker(config: Config) -> Engine:
     stops = prompt.stop_token_ids(loaded.tokenizer, loaded.generation_config)
     runner = make_runner(loaded, config)
     warm_up(runner)
-    costs = speculation(runner, config.speculate, sample_ids(loaded.tokenizer), checkpoint.fingerprint(loaded.source))
+    # A short context: what a verify costs against a step hardly depends on it, and a first start waits here.
+    ids = sample_ids(loaded.tokenizer)[:MEASURE_CONTEXT]
+    costs = speculation(runner, config.speculate, ids, checkpoint.fingerprint(loaded.source))
     slots = SlotPool(runner, config.kv_slots, config.kv_memory_mb * 1024 * 1024, prompt_bytes(loaded.tokenizer))
     log.info(
         "engine ready on %s (%s), %s forward, weights %s, %s, %d threads, %d KV slots",
