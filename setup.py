@@ -6,11 +6,11 @@ the CUDA build of the same release first (see README); the pin is then
 already satisfied.
 
 The lean forward's fused CPU ops (tornchat/engine/csrc) and the GGUF block
-converters (tornchat/weights/csrc) build against that torch, so install with
+decoder (tornchat/engine/csrc/ggml.cpp) build against that torch, so install with
 ``--no-build-isolation`` (the README's commands do): an isolated build would
 fetch another torch. The build is optional: without a compiler, or without
 torch at build time, tornchat installs all the same and runs the PyTorch
-references (tornchat/engine/fused.py, tornchat/weights/ggml.py).
+references (tornchat/engine/fused.py, tornchat/engine/ggml.py).
 """
 from setuptools import setup
 
@@ -26,7 +26,7 @@ def extensions() -> dict:
     options = {"extra_compile_args": ["-O3", "-fopenmp"], "extra_link_args": ["-fopenmp"], "optional": True}
     modules = [
         CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp", "tornchat/engine/csrc/blocks.cpp"], **options),
-        CppExtension("tornchat.weights._ggml", ["tornchat/weights/csrc/ggml.cpp"], **options),
+        CppExtension("tornchat.engine._ggml", ["tornchat/engine/csrc/ggml.cpp"], **options),
     ]
     return {"ext_modules": modules, "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}
 

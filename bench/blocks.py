@@ -16,7 +16,7 @@ import time
 import torch
 
 from tornchat.engine import blocks
-from tornchat.weights import ggml
+from tornchat.engine import ggml
 
 SHAPES = [  # (name, N, K, types)
     ("1B qkv", 3072, 2048, ("Q4_K", "Q6_K")),

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 
 from tornchat.checkpoint import default_gguf_path
-from tornchat.weights import ggml
+from tornchat.engine import ggml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from make_gguf import tokenizer_fields  # noqa: E402  the embedded model's tokenizer and chat template

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tornchat.engine import blocks
-from tornchat.weights import ggml
+from tornchat.engine import ggml
 
 pytestmark = pytest.mark.skipif(not blocks.available(), reason="the C++ extension is not built")
 

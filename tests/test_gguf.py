@@ -6,7 +6,8 @@ import torch
 
 from tornchat import checkpoint
 from tornchat.engine import llama, quant
-from tornchat.weights import ggml, gguf_file
+from tornchat.engine import ggml
+from tornchat.weights import gguf_file
 
 import gguf_files
 
@@ -117,7 +118,7 @@ def test_the_embedded_model_loads_without_a_conversion(tmp_path, monkeypatch):
 
 def test_the_cpp_converters_are_built():
     # The README's install builds them; without them the references run and loading is slower, not wrong.
-    assert ggml._native is not None, "tornchat/weights/_ggml is not built: pip install --no-build-isolation -e ."
+    assert ggml._native is not None, "tornchat/engine/_ggml is not built: pip install --no-build-isolation -e ."
 
 
 @pytest.mark.parametrize("type_name", QUANTIZED)

@@ -16,7 +16,7 @@ import importlib
 
 import torch
 
-from tornchat.weights import ggml
+from tornchat.engine import ggml
 
 try:
     from gguf import GGMLQuantizationType as _GGML
@@ -87,7 +87,7 @@ def reference_mm(x: torch.Tensor, parts, types) -> torch.Tensor:
 
     Float types (F32, F16, BF16): out = x @ W^T with x as given (not quantized).
     Quantized types: out[r, n] = sum over blocks b of d[r, b] * sum over the block's 32 features of
-    W[n, k] * q[r, k], with W the dequantized weights (``tornchat.weights.ggml.dequantize``) and (q, d) from
+    W[n, k] * q[r, k], with W the dequantized weights (``tornchat.engine.ggml.dequantize``) and (q, d) from
     ``quantize_activations_reference``. The kernels compute each block's integer dot of weight levels and q
     exactly and differ from this only by fp32 rounding of the scales and of the sums, which they do in a
     fixed order per output whatever the batch: 8 fp32 lanes, block 8g + j into lane j with a fused

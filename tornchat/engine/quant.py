@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tornchat.engine import blocks
-from tornchat.weights import ggml
+from tornchat.engine import ggml
 
 # What --quantize packs float weights into on the CPU: GGML types blocks.cpp multiplies. The output
 # projection stays at 8 bits under int4, as llama.cpp's 4-bit files keep it at 6 or 8: at 4 bits it cost

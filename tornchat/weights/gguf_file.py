@@ -24,7 +24,7 @@ import torch
 
 from tornchat.engine import quant
 from tornchat.engine.llama import Layer, LlamaConfig, LlamaWeights, interleave_rope_rows
-from tornchat.weights import ggml
+from tornchat.engine import ggml
 
 log = logging.getLogger("tornchat.checkpoint")
 

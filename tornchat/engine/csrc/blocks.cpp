@@ -3,7 +3,7 @@
 // Semantics (tornchat/engine/blocks.py reference_mm computes the same in float64):
 //   The weight matrix is the parts stacked by rows; part i is uint8 [N_i, row_bytes], each row K / block_size
 //   consecutive GGML blocks exactly as a GGUF file stores them (ggml-common.h layouts; what the bytes mean is
-//   tornchat/weights/ggml.py dequantize). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16.
+//   tornchat/engine/ggml.py dequantize). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16.
 //   All parts share K, a multiple of 32 (of 256 for the K-quants).
 //
 //   Activations x [rows, K] fp32 (bf16 is converted), per row and block b of 32 features:

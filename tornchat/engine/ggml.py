@@ -19,7 +19,7 @@ import torch
 
 def _load():
     try:
-        return importlib.import_module("tornchat.weights._ggml")
+        return importlib.import_module("tornchat.engine._ggml")
     except ImportError:
         return None
 

@@ -1,7 +1,7 @@
 // GGML blocks decoded to fp32 values, one pass over the bytes: the embedding rows a prompt looks up, and
 // float copies of a quantized file where one is asked for (--quantize int8|int4, a GPU).
 //
-// The semantics are those of tornchat/weights/ggml.py (which the tests hold
+// The semantics are those of tornchat/engine/ggml.py (which the tests hold
 // this to, bit for bit, and both to the gguf package's dequantizer). Every product of a
 // block's scales and levels is exact in fp32 (at most 22 significant bits),
 // so the order of the multiplications does not change a value.
