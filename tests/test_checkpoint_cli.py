@@ -43,6 +43,11 @@ def test_unsupported_architecture_is_a_one_line_error(tmp_path):
     assert_one_line_error(start_error(tmp_path, "--checkpoint-path", str(model_dir)), "unsupported architecture")
 
 
+def test_an_instruction_set_the_cpu_lacks_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORNCHAT_ISA", "avx9000")
+    assert_one_line_error(start_error(tmp_path), "TORNCHAT_ISA='avx9000'", "avx2")
+
+
 def test_bad_config_file_is_a_one_line_error(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("prot: 8000\n")

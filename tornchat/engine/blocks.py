@@ -94,20 +94,18 @@ def reference_mm(x: torch.Tensor, parts, types) -> torch.Tensor:
     multiply-add of the dot times (weight scale * d), then for types with minimums one of the minimum times
     (d * s); the lanes summed as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Float types: feature k
     into lane k % 8. See csrc/blocks.cpp."""
-    outs = []
-    rows, k = x.shape
-    q, d, _ = quantize_activations_reference(x)
-    xq = (q.double().reshape(rows, k // QK, QK) * d.double()[..., None]).reshape(rows, k)
-    for raw, t in zip(parts, types):
-        name = TYPE_NAMES[_type_id(t)]
-        w = ggml.dequantize(raw, name).double()
-        outs.append((x.double() if name in ggml.FLOATS else xq) @ w.T)
-    return torch.cat(outs, dim=1)
+    return _reference_products(x, parts, types, absolute=False)
 
 
 def reference_terms(x: torch.Tensor, parts, types) -> torch.Tensor:
     """The sum of the absolute values of ``reference_mm``'s products per output, float64 [rows, sum N_i]:
     the scale of each output's rounding error."""
+    return _reference_products(x, parts, types, absolute=True)
+
+
+def _reference_products(x: torch.Tensor, parts, types, absolute: bool) -> torch.Tensor:
+    """x (quantized as the kernels do, the float types' x as it is) times the dequantized weights, in float64;
+    with ``absolute``, of both's absolute values."""
     outs = []
     rows, k = x.shape
     q, d, _ = quantize_activations_reference(x)
@@ -115,5 +113,6 @@ def reference_terms(x: torch.Tensor, parts, types) -> torch.Tensor:
     for raw, t in zip(parts, types):
         name = TYPE_NAMES[_type_id(t)]
         w = ggml.dequantize(raw, name).double()
-        outs.append((x.double() if name in ggml.FLOATS else xq).abs() @ w.abs().T)
+        inputs = x.double() if name in ggml.FLOATS else xq
+        outs.append(inputs.abs() @ w.abs().T if absolute else inputs @ w.T)
     return torch.cat(outs, dim=1)

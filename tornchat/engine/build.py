@@ -4,7 +4,7 @@ import torch
 
 from tornchat import checkpoint, prompt
 from tornchat.config import Config
-from tornchat.engine import cpu, fused, llama, measurements, speculate
+from tornchat.engine import blocks, cpu, fused, llama, measurements, speculate
 from tornchat.engine.model import HFRunner, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.worker import Engine
@@ -49,6 +49,11 @@ def make_runner(loaded: checkpoint.Loaded, config: Config) -> Runner:
             weights = llama.pack(weights, "none" if config.quantize == "auto" else config.quantize)
         except ValueError as exc:
             raise checkpoint.CheckpointError(str(exc)) from None
+    if blocks.available():
+        try:
+            blocks.isa()  # TORNCHAT_ISA, where set, must name a path this CPU runs
+        except RuntimeError as exc:
+            raise checkpoint.CheckpointError(checkpoint.first_line(exc)) from None
     return llama.LlamaRunner(spec, weights)
 
 
