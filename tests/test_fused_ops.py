@@ -64,20 +64,35 @@ def test_silu_mul(dtype):
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128)])
 def test_attend_is_the_reference_and_each_row_is_as_if_alone(kv_dtype, heads, kv_heads, head_dim):
-    attend = fused.attend
     start, n, capacity = 37, 6, 64
-    keys, values = (torch.randn(capacity, kv_heads, head_dim).to(kv_dtype) for _ in range(2))
+    cache = torch.randn(2, capacity, kv_heads, head_dim).to(kv_dtype)
     q = torch.randn(n, heads, head_dim).to(kv_dtype)
     scale = head_dim ** -0.5
-    got = attend(q, keys, values, start, scale)
+
+    def attend(q, cache, start):
+        keys, values = fused.forward_layout(cache)
+        return fused.attend(q, keys, values, start, scale)
+
+    got = attend(q, cache, start)
     assert got.shape == (n, heads * head_dim) and got.dtype == torch.float32
-    torch.testing.assert_close(got, fused.attend_ref(q, keys, values, start, scale), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got, fused.attend_ref(q, cache[0], cache[1], start, scale), atol=2e-6, rtol=1e-5)
     for r in range(n):  # the bits a one-row step at position start + r gets, whatever rows come with it
-        assert torch.equal(got[r], attend(q[r : r + 1], keys, values, start + r, scale)[0])
-    # Positions past a row's own are never read: changing them changes only the rows that see them.
-    keys[start + 3 :] = 0
-    changed = attend(q, keys, values, start, scale)
-    assert torch.equal(changed[:3], got[:3]) and not torch.equal(changed[3:], got[3:])
+        assert torch.equal(got[r], attend(q[r : r + 1], cache, start + r)[0])
+    # Positions past a row's own are never read: changing them (to anything, NaN included) changes only the rows
+    # that see them.
+    cache[:, start + 3 :] = float("nan")
+    changed = attend(q, cache, start)
+    assert torch.equal(changed[:3], got[:3]) and changed[3:].isnan().all()
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_the_forward_layout_is_a_permutation(kv_dtype):
+    cache = torch.randn(3, 2, 48, 2, 32).to(kv_dtype)
+    laid = fused.forward_layout(cache)
+    assert laid.shape == cache.shape and not torch.equal(laid, cache)
+    assert torch.equal(fused.standard_layout(laid), cache)
+    # A prefix of whole key blocks is a prefix of the memory: what growing and forking a cache copy.
+    assert torch.equal(fused.forward_layout(cache[:, :, :16].contiguous()), laid[:, :, :16])
 
 
 def test_bad_inputs_raise_instead_of_crashing():
@@ -106,4 +121,4 @@ def test_the_cpp_forward_is_the_python_loop(model_name, quantize, kv_dtype, requ
         got, expected = (runner.forward([token], cache, decode=True) for runner, cache in zip((cpp, loop), caches))
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
     assert caches[0].length == caches[1].length == 29
-    torch.testing.assert_close(caches[0].kv[:, :, :29].float(), caches[1].kv[:, :, :29].float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(cpp.positions(caches[0]).float(), loop.positions(caches[1]).float(), atol=1e-2, rtol=1e-2)

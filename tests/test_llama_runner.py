@@ -114,7 +114,7 @@ def greedy_paths(runner, prompt_ids: list[int], drafts: list[int]) -> list[tuple
     logits = [runner.score(prompt_ids)]  # every position of a one-chunk prefill, as forward computes its last
     runner.forward(prompt_ids, cache)
     logits += [runner.forward([t], cache, decode=True)[None] for t in drafts]
-    paths.append((torch.cat(logits), cache.kv[:, :, : cache.length].clone()))
+    paths.append((torch.cat(logits), runner.positions(cache)))
 
     cache, logits, at = runner.new_cache(), [], 0
     for size in (1, 7, 13, 2, 64):
@@ -124,10 +124,10 @@ def greedy_paths(runner, prompt_ids: list[int], drafts: list[int]) -> list[tuple
     logits += [runner.verify(drafts[:4], cache)]
     runner.truncate(cache, len(prompt_ids) + 2)
     logits = logits[:-1] + [logits[-1][:2], runner.verify(drafts[2:], cache)]
-    paths.append((torch.cat(logits), cache.kv[:, :, : cache.length].clone()))
+    paths.append((torch.cat(logits), runner.positions(cache)))
 
     cache = runner.new_cache()
-    paths.append((torch.stack([runner.forward([t], cache) for t in everything]), cache.kv[:, :, : cache.length].clone()))
+    paths.append((torch.stack([runner.forward([t], cache) for t in everything]), runner.positions(cache)))
     paths.append((runner.score(everything), None))
     return paths
 

@@ -91,11 +91,43 @@ NATIVE = Ops(_native.rms_norm, _native.rope_store, _native.silu_mul) if _native 
 
 
 ATTEND_LANES = 16  # the C++ attention's vectors: head_dim must be a multiple, at most 16 of them
+KEY_BLOCK = 16  # positions per block of the C++ forward's keys (forward_layout)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
-    """The C++ step's attention (``attend_ref``'s semantics, each row's bits whatever rows come with it)."""
+    """The C++ forward's attention (``attend_ref``'s semantics, each row's bits whatever rows come with it), over a
+    layer's keys and values in the forward's layout (``forward_layout``)."""
     return _native.attend(q, keys, values, start, scale)
+
+
+def forward_layout(kv: torch.Tensor) -> torch.Tensor:
+    """Caches [..., 2 (keys, values), capacity, kv_heads, head_dim] (capacity a multiple of KEY_BLOCK) as the C++
+    forward holds them, the same shape: keys in blocks of 16 positions, transposed, so that one vector holds a
+    dimension of 16 keys ([kv_heads, head_dim, 16] a block); in bf16, dimensions 2t and 2t + 1 interleaved
+    ([kv_heads, head_dim / 2, 16, 2]) and values' positions 2s and 2s + 1 ([kv_heads, head_dim, 2] a pair), so
+    that one load, a shift and a mask widen two vectors (csrc/fused.cpp's key_at and value_at)."""
+    *lead, _, capacity, kv_heads, head_dim = kv.shape
+    keys, values = kv.unbind(-4)
+    if kv.dtype == torch.bfloat16:
+        keys = keys.reshape(*lead, capacity // KEY_BLOCK, KEY_BLOCK, kv_heads, head_dim // 2, 2).movedim(-4, -2)
+        values = values.reshape(*lead, capacity // 2, 2, kv_heads, head_dim).movedim(-3, -1)
+    else:
+        keys = keys.reshape(*lead, capacity // KEY_BLOCK, KEY_BLOCK, kv_heads, head_dim).movedim(-3, -1)
+    return torch.stack([keys.reshape(*lead, capacity, kv_heads, head_dim),
+                        values.reshape(*lead, capacity, kv_heads, head_dim)], dim=-4)
+
+
+def standard_layout(kv: torch.Tensor) -> torch.Tensor:
+    """``forward_layout`` undone: position-major keys and values, PyTorch's layout."""
+    *lead, _, capacity, kv_heads, head_dim = kv.shape
+    keys, values = kv.unbind(-4)
+    if kv.dtype == torch.bfloat16:
+        keys = keys.reshape(*lead, capacity // KEY_BLOCK, kv_heads, head_dim // 2, KEY_BLOCK, 2).movedim(-2, -4)
+        values = values.reshape(*lead, capacity // 2, kv_heads, head_dim, 2).movedim(-1, -3)
+    else:
+        keys = keys.reshape(*lead, capacity // KEY_BLOCK, kv_heads, head_dim, KEY_BLOCK).movedim(-1, -3)
+    return torch.stack([keys.reshape(*lead, capacity, kv_heads, head_dim),
+                        values.reshape(*lead, capacity, kv_heads, head_dim)], dim=-4)
 
 
 def attends(head_dim: int) -> bool:

@@ -255,8 +255,15 @@ class LlamaRunner:
         forked = self.new_cache()
         self._reserve(forked, length)
         forked.length = min(length, cache.length)
-        forked.kv[:, :, : forked.length] = cache.kv[:, :, : forked.length]
+        held = _whole_blocks(forked.length)
+        forked.kv[:, :, :held] = cache.kv[:, :, :held]
         return forked
+
+    def positions(self, cache: KVCache) -> torch.Tensor:
+        """The cache's positions 0 .. length - 1 as [layers, 2, length, kv_heads, head_dim], position-major
+        (the C++ forward keeps its own layout, ``fused.forward_layout``)."""
+        kv = fused.standard_layout(cache.kv) if self.step is not None else cache.kv
+        return kv[:, :, : cache.length]
 
     def cache_bytes(self, cache: KVCache) -> int:
         return cache.kv.numel() * cache.kv.element_size()
@@ -270,9 +277,10 @@ class LlamaRunner:
         grown = -(-length // CACHE_CHUNK) * CACHE_CHUNK
         if self.graphs is not None:  # each new cache tensor is a new graph capture: few of them
             grown = max(grown, 2 * capacity)
-        grown = min(grown, self.context_length)
+        grown = min(grown, _whole_blocks(self.context_length))
         kv = cache.kv.new_empty((*cache.kv.shape[:2], grown, *cache.kv.shape[3:]))
-        kv[:, :, : cache.length] = cache.kv[:, :, : cache.length]
+        held = _whole_blocks(cache.length)
+        kv[:, :, :held] = cache.kv[:, :, :held]
         cache.kv = kv
 
     @torch.inference_mode()
@@ -349,6 +357,13 @@ class LlamaRunner:
             h = ops.rms_norm(x, layer.ffn_norm, self.eps, quant.input_dtype(layer.w13) == torch.bfloat16)
             x = x + quant.linear(ops.silu_mul(quant.linear(h, layer.w13)), layer.w2)
         return x
+
+
+def _whole_blocks(length: int) -> int:
+    """Positions up to length rounded up to whole key blocks: a prefix of the positions in the C++ forward's layout
+    is a prefix of the cache's memory only in whole blocks (``fused.forward_layout``; capacities are whole blocks
+    too)."""
+    return -(-length // fused.KEY_BLOCK) * fused.KEY_BLOCK
 
 
 def causal_mask(start: int, n: int, groups: int, device: torch.device) -> torch.Tensor:

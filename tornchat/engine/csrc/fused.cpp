@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -56,33 +57,84 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   return out;
 }
 
-template <typename In, typename Kv>
+// Where a layer's keys and values sit in its cache of [capacity, kv_heads, head_dim] elements. The standard layout
+// is PyTorch's (position-major), for the Python loop's caches. The forward's caches (FORWARD) are laid out for
+// attend's vectors: keys in blocks of KEY_BLOCK positions, transposed, so that one vector holds a dimension of 16
+// keys (block b of head h: [head_dim][16]); in bf16 dimensions 2t and 2t + 1 are interleaved ([head_dim / 2][16][2])
+// and values positions 2s and 2s + 1 ([capacity / 2][kv_heads][head_dim][2]), so that one 64-byte load, a shift
+// and a mask give two fp32 vectors (widening bf16 lane by lane costs several instructions per vector).
+// fused.py's forward_layout / standard_layout convert.
+constexpr int64_t KEY_BLOCK = 16;
+
+template <bool FORWARD, typename Kv>
+inline int64_t key_at(int64_t p, int64_t h, int64_t i, int64_t kv_heads, int64_t d) {
+  if constexpr (!FORWARD) return (p * kv_heads + h) * d + i;
+  const int64_t block = (p / KEY_BLOCK * kv_heads + h) * d * KEY_BLOCK, lane = p % KEY_BLOCK;
+  if constexpr (std::is_same_v<Kv, BFloat16>) return block + (i / 2 * KEY_BLOCK + lane) * 2 + i % 2;
+  return block + i * KEY_BLOCK + lane;
+}
+
+template <bool FORWARD, typename Kv>
+inline int64_t value_at(int64_t p, int64_t h, int64_t i, int64_t kv_heads, int64_t d) {
+  if constexpr (FORWARD && std::is_same_v<Kv, BFloat16>) return ((p / 2 * kv_heads + h) * d + i) * 2 + p % 2;
+  return (p * kv_heads + h) * d + i;
+}
+
+// Rows r = 0 .. rows - 1 are positions start + r; keys and values point at position 0 of a layer's cache.
+template <bool FORWARD, typename In, typename Kv>
 void rope_store_rows(const In* qkv, const float* freqs, Kv* queries, Kv* keys, Kv* values, int64_t rows,
-                     int64_t heads, int64_t kv_heads, int64_t head_dim) {
+                     int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim) {
   const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
   at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const In* row = qkv + r * width;
       const float* f = freqs + r * head_dim;  // (cos, sin) pairs, magnitude included
+      const int64_t p = start + r;
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         const In* src = row + h * head_dim;
-        Kv* dst = h < heads ? queries + (r * heads + h) * head_dim : keys + (r * kv_heads + h - heads) * head_dim;
         for (int64_t j = 0; j < half; ++j) {
           const float a = to_float(src[2 * j]), b = to_float(src[2 * j + 1]);
           const float c = f[2 * j], s = f[2 * j + 1];
-          dst[2 * j] = static_cast<Kv>(a * c - b * s);
-          dst[2 * j + 1] = static_cast<Kv>(a * s + b * c);
+          const float even = a * c - b * s, odd = a * s + b * c;
+          if (h < heads) {
+            queries[(r * heads + h) * head_dim + 2 * j] = static_cast<Kv>(even);
+            queries[(r * heads + h) * head_dim + 2 * j + 1] = static_cast<Kv>(odd);
+          } else {
+            keys[key_at<FORWARD, Kv>(p, h - heads, 2 * j, kv_heads, head_dim)] = static_cast<Kv>(even);
+            keys[key_at<FORWARD, Kv>(p, h - heads, 2 * j + 1, kv_heads, head_dim)] = static_cast<Kv>(odd);
+          }
         }
       }
       const In* v = row + (heads + kv_heads) * head_dim;
-      Kv* vdst = values + r * kv_heads * head_dim;
-      for (int64_t i = 0; i < kv_heads * head_dim; ++i) vdst[i] = static_cast<Kv>(to_float(v[i]));
+      for (int64_t h = 0; h < kv_heads; ++h)
+        for (int64_t i = 0; i < head_dim; ++i)
+          values[value_at<FORWARD, Kv>(p, h, i, kv_heads, head_dim)] = static_cast<Kv>(to_float(v[h * head_dim + i]));
     }
   });
 }
 
+template <bool FORWARD>
+at::Tensor rope_store_at(const at::Tensor& qkv, const at::Tensor& freqs, const at::Tensor& keys,
+                         const at::Tensor& values, int64_t start, int64_t rows, int64_t heads, int64_t kv_heads) {
+  const int64_t head_dim = keys.size(-1);
+  auto queries = at::empty({rows, heads, head_dim}, keys.options());
+  const bool in_bf16 = qkv.scalar_type() == at::kBFloat16, kv_bf16 = keys.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(in_bf16 || qkv.scalar_type() == at::kFloat, "qkv must be fp32 or bf16");
+  TORCH_CHECK(kv_bf16 || keys.scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
+  const float* f = freqs.data_ptr<float>();
+#define ROPE(IN, KV)                                                                                                 \
+  rope_store_rows<FORWARD>(qkv.data_ptr<IN>(), f, queries.data_ptr<KV>(), keys.data_ptr<KV>(), values.data_ptr<KV>(), \
+                           rows, start, heads, kv_heads, head_dim)
+  if (in_bf16 && kv_bf16) ROPE(BFloat16, BFloat16);
+  else if (in_bf16) ROPE(BFloat16, float);
+  else if (kv_bf16) ROPE(float, BFloat16);
+  else ROPE(float, float);
+#undef ROPE
+  return queries;
+}
+
 // qkv [rows, (heads + 2 kv_heads) * head_dim] (fp32 or bf16), freqs [rows, head_dim / 2, 2] fp32,
-// keys and values [rows, kv_heads, head_dim] views into the cache (fp32 or bf16, both alike).
+// keys and values [rows, kv_heads, head_dim] views into the cache (fp32 or bf16, both alike), the standard layout.
 // Rotates queries and keys, writes keys and values into the cache; returns queries [rows, heads, head_dim]
 // in the cache's dtype.
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor keys, at::Tensor values,
@@ -96,19 +148,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor
   TORCH_CHECK(freqs.scalar_type() == at::kFloat && freqs.numel() == rows * head_dim, "freqs must be fp32 [rows, head_dim / 2, 2]");
   TORCH_CHECK(keys.numel() == rows * kv_heads * head_dim && values.sizes() == keys.sizes(), "keys and values must be [rows, kv_heads, head_dim]");
   TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values must share a dtype");
-  auto queries = at::empty({rows, heads, head_dim}, keys.options());
-  const bool in_bf16 = qkv.scalar_type() == at::kBFloat16, kv_bf16 = keys.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(in_bf16 || qkv.scalar_type() == at::kFloat, "qkv must be fp32 or bf16");
-  TORCH_CHECK(kv_bf16 || keys.scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
-  const float* f = freqs.data_ptr<float>();
-#define ROPE(IN, KV) \
-  rope_store_rows(qkv.data_ptr<IN>(), f, queries.data_ptr<KV>(), keys.data_ptr<KV>(), values.data_ptr<KV>(), rows, heads, kv_heads, head_dim)
-  if (in_bf16 && kv_bf16) ROPE(BFloat16, BFloat16);
-  else if (in_bf16) ROPE(BFloat16, float);
-  else if (kv_bf16) ROPE(float, BFloat16);
-  else ROPE(float, float);
-#undef ROPE
-  return queries;
+  return rope_store_at<false>(qkv, freqs, keys, values, 0, rows, heads, kv_heads);
 }
 
 template <typename T>
@@ -140,108 +180,183 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// Attention of decode rows over the cache, computed so that row r of n gets the same bits whatever n is:
-// each row's scores, softmax and weighted sum depend only on its query and the positions 0 .. start + r it
-// sees, in a fixed order. A speculative verify's rows then equal one-token steps, and a step pays no
-// dispatch for a library kernel (PyTorch's SDPA took ~50 us a layer for one row on the embedded model).
-// The loops are cloned per instruction set (vec.h).
+// Attention of n rows over the cache, computed so that row r of n gets the same bits whatever n is: each
+// row's scores, softmax and weighted sum depend only on its query and the positions 0 .. start + r it sees, in a
+// fixed order. A speculative verify's rows then equal one-token steps, and a prefill chunk's rows equal a
+// prompt fed token by token. Keys are blocked (key_at): a query's scores over 16 positions are one vector, each
+// lane its own sum over the dimensions, so there is no horizontal sum per key, and queries that share a KV head
+// (a step's grouped heads, a chunk's neighbouring rows) share each load of keys and values. The loops are cloned
+// per instruction set (vec.h).
+//
+// The semantics, per query q and position j (what attend_ref computes, up to fp32 rounding order):
+//   score_j = (sum over even i of q_i k_ji + sum over odd i of q_i k_ji) * scale, each sum in order of i;
+//   w_j = exp(score_j - max score), total = the 16-lane sums of w in order of 16-position groups, then a tree;
+//   out = (sum over even j of w_j v_j + sum over odd j of w_j v_j) / total, each sum in order of j.
 
-// One query head's row r over positions 0 .. start + r, head_dim = CHUNKS * LANES (0: chunks at run time).
-// Compile-time chunks keep a row's output in registers.
-template <int64_t CHUNKS, typename Kv>
-inline __attribute__((always_inline)) void attend_row(const float* query, const Kv* keys, const Kv* values,
-                                                      float* out, float* scores, int64_t stride, int64_t runtime_chunks,
-                                                      int64_t seen, float scale) {
-  const int64_t chunks = CHUNKS ? CHUNKS : runtime_chunks;
-  const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  Vec q[16];
-  for (int64_t c = 0; c < chunks; ++c) q[c] = load(query + c * LANES);
-  int64_t j = 0;
-  for (; j + 4 <= seen; j += 4) {  // four keys at a time: independent chains for the out-of-order core
-    const Kv* k = keys + j * stride;
-    Vec acc0 = q[0] * load(k), acc1 = q[0] * load(k + stride), acc2 = q[0] * load(k + 2 * stride),
-        acc3 = q[0] * load(k + 3 * stride);
-    for (int64_t c = 1; c < chunks; ++c) {
-      acc0 += q[c] * load(k + c * LANES);
-      acc1 += q[c] * load(k + stride + c * LANES);
-      acc2 += q[c] * load(k + 2 * stride + c * LANES);
-      acc3 += q[c] * load(k + 3 * stride + c * LANES);
+constexpr int TILE = 4;  // queries that share each load of keys and values
+
+struct Query {
+  const float* q;   // [head_dim]
+  float* out;       // [head_dim]
+  int64_t seen;     // positions 0 .. seen - 1
+};
+
+// 32 bf16 in (a, b) pairs -> the a's and the b's as fp32: bf16 is the top half of an fp32.
+inline __attribute__((always_inline)) void split_pairs(const BFloat16* p, Vec& a, Vec& b) {
+  UintVec words;
+  std::memcpy(&words, p, sizeof words);
+  const UintVec low = words << 16, high = words & 0xffff0000u;
+  std::memcpy(&a, &low, sizeof a);
+  std::memcpy(&b, &high, sizeof b);
+}
+
+// Dimensions 2t and 2t + 1 of a key block's 16 keys (key_at's forward layout).
+inline __attribute__((always_inline)) void key_pair(const float* block, int64_t t, Vec& k0, Vec& k1) {
+  k0 = load(block + 2 * t * KEY_BLOCK);
+  k1 = load(block + (2 * t + 1) * KEY_BLOCK);
+}
+inline __attribute__((always_inline)) void key_pair(const BFloat16* block, int64_t t, Vec& k0, Vec& k1) {
+  split_pairs(block + 2 * t * KEY_BLOCK, k0, k1);
+}
+
+// Dims 16c .. 16c + 15 of KV head h's values at positions j and j + 1 (j even), or at j alone (value_at's forward
+// layout; values points at position 0).
+inline __attribute__((always_inline)) void value_pair(const float* values, int64_t h, int64_t kv_heads, int64_t d,
+                                                      int64_t j, int64_t c, Vec& v0, Vec& v1) {
+  v0 = load(values + (j * kv_heads + h) * d + c * LANES);
+  v1 = load(values + ((j + 1) * kv_heads + h) * d + c * LANES);
+}
+inline __attribute__((always_inline)) void value_pair(const BFloat16* values, int64_t h, int64_t kv_heads, int64_t d,
+                                                      int64_t j, int64_t c, Vec& v0, Vec& v1) {
+  split_pairs(values + ((j / 2 * kv_heads + h) * d + c * LANES) * 2, v0, v1);
+}
+template <typename Kv>
+inline __attribute__((always_inline)) Vec value_one(const Kv* values, int64_t h, int64_t kv_heads, int64_t d,
+                                                    int64_t j, int64_t c) {
+  if constexpr (std::is_same_v<Kv, float>) return load(values + (j * kv_heads + h) * d + c * LANES);
+  Vec v0, v1;
+  value_pair(values, h, kv_heads, d, j / 2 * 2, c, v0, v1);
+  return j % 2 ? v1 : v0;
+}
+
+// Scores of T queries over key blocks 0 .. blocks - 1 of one KV head (keys: its first block), into
+// scores[m * scores_stride + 16 b ..].
+template <int T, typename Kv>
+inline __attribute__((always_inline)) void score_tile(const Query* queries, const Kv* keys, int64_t block_stride,
+                                                      int64_t blocks, int64_t d, float scale, float* scores,
+                                                      int64_t scores_stride) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Kv* block = keys + b * block_stride;
+    Vec even[T], odd[T];
+    for (int m = 0; m < T; ++m) even[m] = odd[m] = Vec{};
+    for (int64_t t = 0; t < d / 2; ++t) {
+      Vec k0, k1;
+      key_pair(block, t, k0, k1);
+      for (int m = 0; m < T; ++m) {
+        even[m] += queries[m].q[2 * t] * k0;
+        odd[m] += queries[m].q[2 * t + 1] * k1;
+      }
     }
-    scores[j] = sum(acc0) * scale;
-    scores[j + 1] = sum(acc1) * scale;
-    scores[j + 2] = sum(acc2) * scale;
-    scores[j + 3] = sum(acc3) * scale;
+    for (int m = 0; m < T; ++m) {
+      const Vec s = (even[m] + odd[m]) * scale;
+      std::memcpy(scores + m * scores_stride + b * KEY_BLOCK, &s, sizeof s);
+    }
   }
-  for (; j < seen; ++j) {  // the same arithmetic as each chain above
-    const Kv* k = keys + j * stride;
-    Vec acc = q[0] * load(k);
-    for (int64_t c = 1; c < chunks; ++c) acc += q[c] * load(k + c * LANES);
-    scores[j] = sum(acc) * scale;
+}
+
+// Scores -> weights in place (zero past seen; lanes past it are selected away, never computed with: they may hold
+// anything, NaN included); returns 1 / the weights' total.
+inline __attribute__((always_inline)) float softmax_row(float* scores, int64_t seen) {
+  const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const Vec lowest = Vec{} - INFINITY;
+  Vec tops = lowest;
+  for (int64_t j = 0; j < seen; j += LANES) {
+    const Vec s = load(scores + j);
+    const Vec kept = (lane + static_cast<int32_t>(j)) < static_cast<int32_t>(seen) ? s : lowest;
+    tops = tops > kept ? tops : kept;
   }
-  float top = scores[0];
-  for (int64_t j = 1; j < seen; ++j) top = std::max(top, scores[j]);
+  float top = tops[0];
+  for (int l = 1; l < LANES; ++l) top = std::max(top, tops[l]);
   Vec totals = Vec{};
-  for (int64_t j = 0; j < seen; j += LANES) {  // scores has room past seen: the tail lanes are zeroed
+  for (int64_t j = 0; j < seen; j += LANES) {
     const Vec e = exp_nonpositive(load(scores + j) - top);
     const Vec kept = (lane + static_cast<int32_t>(j)) < static_cast<int32_t>(seen) ? e : Vec{};
     std::memcpy(scores + j, &kept, sizeof kept);
     totals += kept;
   }
-  const float inverse = 1.0f / sum(totals);
-  Vec even[16], odd[16];  // sums over even and odd positions: two chains
-  for (int64_t c = 0; c < chunks; ++c) even[c] = odd[c] = Vec{};
-  for (j = 0; j + 2 <= seen; j += 2) {
-    const Kv* v = values + j * stride;
-    const float w0 = scores[j], w1 = scores[j + 1];
-    for (int64_t c = 0; c < chunks; ++c) {
-      even[c] += w0 * load(v + c * LANES);
-      odd[c] += w1 * load(v + stride + c * LANES);
+  return 1.0f / sum(totals);
+}
+
+// T queries of KV head h (keys: its first block; values: position 0 of the layer): scores, softmax, weighted
+// values, each query's sums in its own order whatever T is.
+template <int T, typename Kv>
+inline __attribute__((always_inline)) void attend_tile(const Query* queries, const Kv* keys, const Kv* values,
+                                                       int64_t h, int64_t kv_heads, int64_t d, float scale,
+                                                       float* scores) {
+  int64_t seen_max = 0, seen_min = queries[0].seen;
+  for (int m = 0; m < T; ++m) seen_max = std::max(seen_max, queries[m].seen), seen_min = std::min(seen_min, queries[m].seen);
+  const int64_t blocks = (seen_max + KEY_BLOCK - 1) / KEY_BLOCK, width = blocks * KEY_BLOCK;
+  score_tile<T>(queries, keys, kv_heads * d * KEY_BLOCK, blocks, d, scale, scores, width);
+  float inverse[T];
+  for (int m = 0; m < T; ++m) inverse[m] = softmax_row(scores + m * width, queries[m].seen);
+  // Positions all T see, two at a time (the even and odd sums), sharing each value load; then each query's own.
+  const int64_t shared = seen_min / 2 * 2;
+  for (int64_t c = 0; c < d / LANES; ++c) {
+    Vec even[T], odd[T];
+    for (int m = 0; m < T; ++m) even[m] = odd[m] = Vec{};
+    for (int64_t j = 0; j < shared; j += 2) {
+      Vec v0, v1;
+      value_pair(values, h, kv_heads, d, j, c, v0, v1);
+      for (int m = 0; m < T; ++m) {
+        even[m] += scores[m * width + j] * v0;
+        odd[m] += scores[m * width + j + 1] * v1;
+      }
     }
-  }
-  if (j < seen) {
-    const Kv* v = values + j * stride;
-    for (int64_t c = 0; c < chunks; ++c) even[c] += scores[j] * load(v + c * LANES);
-  }
-  for (int64_t c = 0; c < chunks; ++c) {
-    const Vec scaled = (even[c] + odd[c]) * inverse;
-    std::memcpy(out + c * LANES, &scaled, sizeof scaled);
+    for (int m = 0; m < T; ++m) {
+      // The same statements as above, without a branch between the sums: a conditional update is compiled as a
+      // select, which may not fuse the multiply-add the way the statements above do.
+      const float* w = scores + m * width;
+      int64_t j = shared;
+      for (; j + 2 <= queries[m].seen; j += 2) {
+        Vec v0, v1;
+        value_pair(values, h, kv_heads, d, j, c, v0, v1);
+        even[m] += w[j] * v0;
+        odd[m] += w[j + 1] * v1;
+      }
+      if (j < queries[m].seen) even[m] += w[j] * value_one(values, h, kv_heads, d, j, c);
+      const Vec scaled = (even[m] + odd[m]) * inverse[m];
+      std::memcpy(queries[m].out + c * LANES, &scaled, sizeof scaled);
+    }
   }
 }
 
-// Query head `head`'s rows r = 0 .. n - 1, row r over positions 0 .. start + r.
 template <typename Kv>
-inline __attribute__((always_inline)) void attend_head(const float* q, const Kv* keys, const Kv* values, float* out,
-                                                       float* scores, int64_t n, int64_t heads, int64_t kv_heads,
-                                                       int64_t d, int64_t head, int64_t start, float scale) {
-  const int64_t stride = kv_heads * d, offset = head / (heads / kv_heads) * d, chunks = d / LANES;
-  for (int64_t r = 0; r < n; ++r) {
-    const float* query = q + (r * heads + head) * d;
-    float* dst = out + (r * heads + head) * d;
-    const int64_t seen = start + r + 1;
-    switch (chunks) {  // the common head_dims: 32, 64, 128
-      case 2: attend_row<2>(query, keys + offset, values + offset, dst, scores, stride, chunks, seen, scale); break;
-      case 4: attend_row<4>(query, keys + offset, values + offset, dst, scores, stride, chunks, seen, scale); break;
-      case 8: attend_row<8>(query, keys + offset, values + offset, dst, scores, stride, chunks, seen, scale); break;
-      default: attend_row<0>(query, keys + offset, values + offset, dst, scores, stride, chunks, seen, scale);
-    }
+inline __attribute__((always_inline)) void attend_tiles(const Query* queries, int64_t count, const Kv* keys,
+                                                        const Kv* values, int64_t h, int64_t kv_heads, int64_t d,
+                                                        float scale, float* scores) {
+  switch (count) {
+    case 4: attend_tile<4>(queries, keys, values, h, kv_heads, d, scale, scores); break;
+    case 3: attend_tile<3>(queries, keys, values, h, kv_heads, d, scale, scores); break;
+    case 2: attend_tile<2>(queries, keys, values, h, kv_heads, d, scale, scores); break;
+    default: attend_tile<1>(queries, keys, values, h, kv_heads, d, scale, scores);
   }
 }
 
 CLONED
-void attend_head_fp32(const float* q, const float* keys, const float* values, float* out, float* scores, int64_t n,
-                      int64_t heads, int64_t kv_heads, int64_t d, int64_t head, int64_t start, float scale) {
-  attend_head(q, keys, values, out, scores, n, heads, kv_heads, d, head, start, scale);
+void attend_tiles_fp32(const Query* queries, int64_t count, const float* keys, const float* values, int64_t h,
+                       int64_t kv_heads, int64_t d, float scale, float* scores) {
+  attend_tiles(queries, count, keys, values, h, kv_heads, d, scale, scores);
 }
 
 CLONED
-void attend_head_bf16(const float* q, const BFloat16* keys, const BFloat16* values, float* out, float* scores, int64_t n,
-                      int64_t heads, int64_t kv_heads, int64_t d, int64_t head, int64_t start, float scale) {
-  attend_head(q, keys, values, out, scores, n, heads, kv_heads, d, head, start, scale);
+void attend_tiles_bf16(const Query* queries, int64_t count, const BFloat16* keys, const BFloat16* values, int64_t h,
+                       int64_t kv_heads, int64_t d, float scale, float* scores) {
+  attend_tiles(queries, count, keys, values, h, kv_heads, d, scale, scores);
 }
 
-// q [n, heads, head_dim] (fp32 or bf16), keys and values one layer's cache [capacity, kv_heads, head_dim]
-// (fp32 or bf16) holding positions 0 .. start + n - 1. Returns fp32 [n, heads * head_dim]: row r attended over
-// positions 0 .. start + r, softmax(scale * q . k) v, as fused.attend_ref computes it.
+// q [n, heads, head_dim] (fp32 or bf16), keys and values one layer's cache [capacity, kv_heads, head_dim] (fp32
+// or bf16, in the forward's layout: key_at, value_at) holding positions 0 .. start + n - 1. Returns fp32 [n, heads * head_dim]: row r
+// attended over positions 0 .. start + r, softmax(scale * q . k) v, as fused.attend_ref computes it.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale) {
   RECORD_FUNCTION("tornchat::attend", std::vector<c10::IValue>());  // for torch.profiler (bench/decode_speed.py)
   check_cpu_contiguous(keys, "keys");
@@ -250,22 +365,32 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16, "the cache must be fp32 or bf16");
   const auto queries = q.to(at::kFloat).contiguous();
   const int64_t n = queries.size(0), heads = queries.size(1), d = queries.size(2), kv_heads = keys.size(1);
-  TORCH_CHECK(keys.size(2) == d && heads % kv_heads == 0 && start + n <= keys.size(0), "q does not fit the cache");
+  const int64_t capacity = keys.size(0), groups = heads / kv_heads;
+  TORCH_CHECK(keys.size(2) == d && heads % kv_heads == 0 && start + n <= capacity, "q does not fit the cache");
+  TORCH_CHECK(capacity % KEY_BLOCK == 0, "the cache's capacity must be a multiple of 16 positions");
   TORCH_CHECK(d % LANES == 0 && d <= 16 * LANES, "head_dim must be a multiple of 16, at most 256");
   auto out = at::empty({n, heads * d}, queries.options());
   const float* qp = queries.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const bool bf16 = keys.scalar_type() == at::kBFloat16;
-  // Contiguous heads per thread: heads sharing a KV head follow one another, which finds its keys in cache.
-  at::parallel_for(0, heads, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(start + n + LANES);
-    for (int64_t head = first; head < last; ++head) {
+  // Each KV head's queries, (row, grouped head) in order, in tiles of TILE: a step's grouped heads share a
+  // tile, a chunk's neighbouring rows too. A query's bits do not depend on its tile.
+  const int64_t per_head = n * groups, tiles = (per_head + TILE - 1) / TILE;
+  at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(TILE * ((start + n + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK));
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t h = t / tiles, m0 = t % tiles * TILE, count = std::min<int64_t>(TILE, per_head - m0);
+      Query tile[TILE];
+      for (int64_t m = 0; m < count; ++m) {
+        const int64_t r = (m0 + m) / groups, head = h * groups + (m0 + m) % groups;
+        tile[m] = Query{qp + (r * heads + head) * d, op + (r * heads + head) * d, start + r + 1};
+      }
       if (bf16)
-        attend_head_bf16(qp, keys.data_ptr<BFloat16>(), values.data_ptr<BFloat16>(), op, scores.data(), n, heads,
-                         kv_heads, d, head, start, float(scale));
+        attend_tiles_bf16(tile, count, keys.data_ptr<BFloat16>() + h * d * KEY_BLOCK, values.data_ptr<BFloat16>(), h,
+                          kv_heads, d, float(scale), scores.data());
       else
-        attend_head_fp32(qp, keys.data_ptr<float>(), values.data_ptr<float>(), op, scores.data(), n, heads, kv_heads,
-                         d, head, start, float(scale));
+        attend_tiles_fp32(tile, count, keys.data_ptr<float>() + h * d * KEY_BLOCK, values.data_ptr<float>(), h,
+                          kv_heads, d, float(scale), scores.data());
     }
   });
   return out;
@@ -319,7 +444,7 @@ class Forward {
       auto qkv = layer.wqkv(rms_norm(x, layer.attn_norm, eps_, false));
       if (layer.bqkv.numel()) qkv = qkv + layer.bqkv;
       const auto keys = kv.select(0, i).select(0, 0), values = kv.select(0, i).select(0, 1);
-      auto q = rope_store(qkv.contiguous(), freqs, keys.narrow(0, start, n), values.narrow(0, start, n), heads_, kv_heads_);
+      auto q = rope_store_at<true>(qkv.contiguous(), freqs, keys, values, start, n, heads_, kv_heads_);
       x = x + layer.wo(attend(q, keys, values, start, scale_));
       x = x + layer.w2(silu_mul(layer.w13(rms_norm(x, layer.ffn_norm, eps_, false))));
     }
@@ -338,7 +463,7 @@ PYBIND11_MODULE(_fused, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of fp32 rows, out in fp32 or bf16");
   m.def("rope_store", &rope_store, "RoPE on queries and keys; keys and values written into the cache");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("attend", &attend, "causal attention of n decode rows over the cache, each row as if alone");
+  m.def("attend", &attend, "causal attention of n rows over a cache in the forward's layout, each row as if alone");
   tornchat::define_blocks(m);
   pybind11::class_<Forward>(m, "Forward")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<std::vector<at::Tensor>>&,
