@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import workloads  # noqa: E402  (sibling module; bench/ is not a package)
 
 from tornchat import checkpoint  # noqa: E402
+from tornchat.weights import gguf_file  # noqa: E402
 from tornchat.engine.cpu import describe  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -571,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
     if "llamacpp" in wanted and (problem := llama_server_problem(llama_server)):
         p.error(f"the llama.cpp baseline: {problem}\nor leave llamacpp out of --systems.")
     workload = workloads.QUICK if args.quick else workloads.FULL
-    tokenizer = checkpoint.gguf_tokenizer(model)
+    tokenizer = checkpoint.gguf_tokenizer(gguf_file.GGUFFile(model))
     user_messages = workloads.chat_user_messages(workload, tokenizer)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     report = {

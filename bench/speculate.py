@@ -69,6 +69,7 @@ from e2e import (RESULTS, Server, System, find_llama_server, fmt, free_port, lla
                  llamacpp_system, machine, stream_once)
 
 from tornchat import checkpoint  # noqa: E402
+from tornchat.weights import gguf_file  # noqa: E402
 
 # Request fields per sampling mode. The seeded mode is where exactness is hardest: the sampler's draws must
 # not depend on how many tokens a verify step covered.
@@ -419,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(name.startswith("llamacpp") for name in wanted) and (problem := llama_server_problem(llama_server)):
         p.error(f"the llama.cpp baseline: {problem}\nor leave llamacpp and llamacpp-lookup out of --systems.")
 
-    tokenizer = checkpoint.gguf_tokenizer(model)
+    tokenizer = checkpoint.gguf_tokenizer(gguf_file.GGUFFile(model))
     cases = workloads.speculation_workloads()
     if args.workloads:
         names = [name.strip() for name in args.workloads.split(",")]

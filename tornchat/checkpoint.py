@@ -1,9 +1,10 @@
 """Find and load a checkpoint: HF directory, GGUF file or the embedded default.
 
 A Llama-family GGUF is read by our own loader (``weights.gguf_file``): its
-quantized blocks become the decode formats directly, one tensor at a time.
-Only its tokenizer goes through transformers' GGUF conversion, cached (it is
-small). transformers' own modules (``--model-impl hf``, or a GGUF of another
+quantized blocks become the decode formats directly, one tensor at a time;
+its tokenizer is built from its metadata (``weights.gguf_tokenizer``), or
+where that does not know the kind, through transformers' GGUF conversion,
+cached (it is small). transformers' own modules (``--model-impl hf``, or a GGUF of another
 architecture) need the whole model dequantized by transformers, which takes
 about a minute; that result is saved once as safetensors plus tokenizer files
 in a cache directory, so the next start loads in about a second.
@@ -120,10 +121,18 @@ def first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def gguf_tokenizer(gguf: Path):
-    """The GGUF's tokenizer through transformers' conversion, saved once beside the converted models."""
+def gguf_tokenizer(file):
+    """The tokenizer of a GGUF (its header read: ``gguf_file.GGUFFile``): built from its metadata in about
+    0.3 s, or for a kind of tokenizer ``gguf_tokenizer`` does not build, through transformers' conversion
+    (seconds), saved once beside the converted models."""
     from transformers import AutoTokenizer
 
+    from tornchat.weights import gguf_tokenizer as built
+
+    tokenizer = built.build(file)
+    if tokenizer is not None:
+        return tokenizer
+    gguf = file.path
     target = converted_dir(gguf).with_name(converted_dir(gguf).name + "-tokenizer")
     if (target / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(target)
@@ -155,7 +164,7 @@ def load_gguf(file, device: str, dtype: torch.dtype, in_blocks: bool) -> Loaded:
         raise CheckpointError(f"cannot load GGUF file {gguf}: {first_line(exc)}") from None
     if not on_cpu:
         weights = gguf_file.to_device(weights, device)
-    tokenizer = gguf_tokenizer(gguf)
+    tokenizer = gguf_tokenizer(file)
     log.info("loaded %s in %.1f s", gguf.name, time.perf_counter() - started)
     return Loaded(tokenizer=tokenizer, source=str(gguf), lean=(config, weights), packed=on_cpu and in_blocks)
 

@@ -1,0 +1,114 @@
+"""The GGUF tokenizer we build from a file's metadata against transformers' GGUF conversion of the same
+file: the same serialized tokenizer, ids, decoding and special tokens; and the conversion where we do
+not build one."""
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from tornchat import checkpoint
+from tornchat.weights import gguf_file, gguf_tokenizer
+
+import gguf_files
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b  # sum\n\n\nclass X:\n\tpass\n",
+    "    leading spaces, trailing   \n\n\n  \t \r\n mixed   runs\u00a0of whitespace     ",
+    "1 12 123 1234 12345 3.14159 1,000,000 0x1F 2026-11-25",
+    "naïve café Ünïcödé — “quotes” ‘single’ 日本語のテキスト 한국어 עברית العربية",
+    "emoji 😀👍🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷 and a lone \u200d joiner",
+    "<|im_start|>user\nhi<|im_end|> inside <|im_end|><|im_start|> text <|endoftext|>",
+    "<think>reasoning</think> <|begin_of_text|><|eot_id|> <s> </s> <unk>",
+    "I'm sure they'll've DON'T it's WE'RE",
+    "",
+    " ",
+]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2? 😀"},
+            {"role": "assistant", "content": "4"}, {"role": "user", "content": "  and\n\n3*3?"}]
+ATTRIBUTES = ["bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id", "unk_token_id",
+              "pad_token_id", "add_bos_token", "add_eos_token", "vocab_size", "chat_template", "all_special_ids",
+              "all_special_tokens", "special_tokens_map", "clean_up_tokenization_spaces", "padding_side"]
+# Llama 3's control tokens over the embedded model's first five, no <|endoftext|> left: a Llama-3-style file.
+LLAMA3 = {"renamed": dict(enumerate(["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>",
+                                     "<|end_header_id|>"])),
+          "pre": "llama-bpe", "add_bos_token": True, "bos_token_id": 0, "eos_token_id": 2, "padding_token_id": None,
+          "chat_template": "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+                           "\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"}
+FILES = {
+    "embedded": None,  # SmolLM2: gpt2 with pre-tokenizer smollm
+    "llama3": LLAMA3,
+    "qwen2": {"arch": "qwen2", "pre": "qwen2"},
+    "gpt2": {"pre": "gpt2"},
+    "sentencepiece": "sentencepiece",  # "llama": Llama 2 / Mistral style
+}
+
+
+@pytest.fixture(scope="module", params=list(FILES))
+def gguf(request, tmp_path_factory):
+    fields = FILES[request.param]
+    if fields is None:
+        return checkpoint.default_gguf_path()
+    if fields == "sentencepiece":
+        fields = gguf_files.sentencepiece_vocabulary()
+    return gguf_files.write_tokenizer(tmp_path_factory.mktemp("tok") / f"{request.param}.gguf", **fields)
+
+
+@pytest.fixture(scope="module")
+def pair(gguf):
+    """(ours, transformers')."""
+    ours = gguf_tokenizer.build(gguf_file.GGUFFile(gguf))
+    assert ours is not None
+    return ours, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def test_the_serialized_tokenizer_is_transformers(pair):
+    ours, theirs = pair
+    assert json.loads(ours.backend_tokenizer.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
+    assert len(ours) == len(theirs)
+    for name in ATTRIBUTES:
+        assert getattr(ours, name) == getattr(theirs, name), name
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_ids_and_decoding_are_transformers(pair, special):
+    ours, theirs = pair
+    chat = theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == chat
+    for text in TEXTS + [chat]:
+        ids = theirs.encode(text, add_special_tokens=special)
+        assert ours.encode(text, add_special_tokens=special) == ids, text
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    for marker in ("<|im_start|>", "<|im_end|>", "<|eot_id|>", "<think>", "<s>", "not-a-token"):
+        assert ours.convert_tokens_to_ids(marker) == theirs.convert_tokens_to_ids(marker)
+
+
+def test_the_split_patterns_are_transformers():
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    for name, pattern in gguf_tokenizer.SPLITS.items():
+        assert GGUF_PRE_TOKENIZER_SPLITS.get(name) == pattern, name
+
+
+@pytest.mark.parametrize("kind, pre", [("gpt2", "tekken"), ("gpt2", "no-such-pre-tokenizer"), ("t5", None)])
+def test_a_kind_we_do_not_build_is_left_to_transformers(tmp_path, kind, pre):
+    path = gguf_files.write_tokenizer(tmp_path / "m.gguf", model=kind, pre=pre)
+    assert gguf_tokenizer.build(gguf_file.GGUFFile(path)) is None
+
+
+def test_the_fallback_is_transformers_conversion_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORNCHAT_CACHE", str(tmp_path / "cache"))
+    path = gguf_files.write_tokenizer(tmp_path / "m.gguf", pre="tekken")
+    first = checkpoint.gguf_tokenizer(gguf_file.GGUFFile(path))
+    theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert json.loads(first.backend_tokenizer.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
+    assert list((tmp_path / "cache").glob("*-tokenizer/tokenizer_config.json"))  # saved for later starts
+    again = checkpoint.gguf_tokenizer(gguf_file.GGUFFile(path))
+    assert [again.encode(text) for text in TEXTS] == [theirs.encode(text) for text in TEXTS]
+
+
+def test_a_tokenizer_we_build_is_not_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORNCHAT_CACHE", str(tmp_path))
+    checkpoint.gguf_tokenizer(gguf_file.GGUFFile(checkpoint.default_gguf_path()))
+    assert not list(tmp_path.iterdir())
