@@ -141,7 +141,8 @@ class Syntax:
     def grammar(self, functions: list[dict], choice: Choice, fmt: Format) -> str:
         """Lark for the text after the prompt (and after ``opening``)."""
         if choice.mode == "named":
-            return f"start: {self.call_arguments(named(functions, choice.name))} {literal(self.tail + self.close)}"
+            start = f"start: {self.call_arguments(named(functions, choice.name))} {literal(self.tail + self.close)}"
+            return "\n".join([start, *self.rules()])
         one = " | ".join(f"{literal(self.head(f['name']))} {self.call_arguments(f)} {literal(self.tail)}" for f in functions)
         joined = "call" if self.separator is None else f"call ({literal(self.separator)} call)*"
         more = "" if self.again is None else f" ({literal(self.again + self.trigger)} section)*"
