@@ -260,3 +260,17 @@ def test_llama_json_answer_and_calls_share_the_brace(templated, compiler, tokeni
     lark = functions.plan(templated["LLAMA_3_1"], ASK, OFFERED, fmt=Format("json_object")).grammar
     assert accepts(compiler, tokenizer, lark, '{"answer": "sunny"}')
     assert accepts(compiler, tokenizer, lark, f"<|python_tag|>{LLAMA_CALL}")
+
+
+def test_qwen3_coder_function_without_a_schema_takes_any_parameters(templated, compiler, tokenizer):
+    ping = {"name": "ping"}
+    plan = functions.plan(templated["QWEN_3_CODER"], ASK, [ping])
+    reply = "<tool_call>\n<function=ping>\n<parameter=host>\nexample.com\n</parameter>\n</function>\n</tool_call>"
+    assert accepts(compiler, tokenizer, plan.grammar, reply)
+    assert summary(run(plan.parser, [reply]))["calls"] == [{"name": "ping", "arguments": '{"host": "example.com"}'}]
+
+
+def test_mistral_array_may_hold_the_other_layouts_marker_in_a_string(templated):
+    reply = '[TOOL_CALLS] [{"name": "take_note", "arguments": {"text": "[ARGS]"}}]'
+    parser = functions.plan(templated["MISTRAL_V03"], ASK, OFFERED).parser
+    assert summary(run(parser, [reply]))["calls"] == [{"name": "take_note", "arguments": '{"text": "[ARGS]"}'}]

@@ -25,7 +25,7 @@ import json
 
 from tornchat import prompt, toolcalls
 from tornchat.toolcalls import react
-from tornchat.toolcalls.common import Choice, Format, Piece, Plan, Syntax, answer, calls, instruct
+from tornchat.toolcalls.common import NO_PARAMETERS, Choice, Format, Piece, Plan, Syntax, answer, calls, instruct
 
 __all__ = ["Choice", "Format", "Piece", "Plan", "plan"]
 
@@ -50,7 +50,8 @@ def plan(tokenizer, messages: list[dict], functions: list[dict], choice: Choice 
 
 
 def _native_plan(syntax: Syntax, tokenizer, messages: list[dict], functions: list[dict], choice: Choice, fmt: Format) -> Plan:
-    tools = [{"type": "function", "function": f} for f in functions] or None
+    # Parameters always, as OpenAI reads a function without them: some templates (Qwen3-Coder's) read them unguarded.
+    tools = [{"type": "function", "function": {**f, "parameters": f.get("parameters") or NO_PARAMETERS}} for f in functions] or None
     rendered = _native_messages(messages, syntax)
     if fmt.json:
         rendered = instruct(rendered, fmt.instructions())

@@ -46,6 +46,7 @@ def detect(tokenizer) -> Syntax | None:
     return _detect(tokenizer, template) if template else None
 
 
+# The template is part of the key because a tokenizer's template can be swapped (the tests do).
 @functools.lru_cache(maxsize=16)
 def _detect(tokenizer, template: str) -> Syntax | None:
     written = written_call(tokenizer)

@@ -27,10 +27,10 @@ class Mistral(Syntax):
         return hashlib.sha256(call_id.encode()).hexdigest()[:9]
 
     def read(self, block: str, functions: list[dict]) -> list[tuple[str, object]] | None:
-        name, found, rest = block.partition(ARGS)
         try:
-            if found:
-                return [(name.strip(), one_json_value(rest))]
+            if not block.strip().startswith(("[", "{")):  # name[ARGS]{...}
+                name, found, rest = block.partition(ARGS)
+                return [(name.strip(), one_json_value(rest))] if found else None
             value = one_json_value(block)
         except ValueError:
             return None

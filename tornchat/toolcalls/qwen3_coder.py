@@ -35,11 +35,12 @@ class Qwen3Coder(Syntax):
     def call_arguments(self, function: dict) -> str:
         properties = (function.get("parameters") or {}).get("properties")
         if not properties:  # no schema to follow: any parameters, as text
-            return f'({literal("<parameter=")} /[^>\\n]+/ {literal(">" + chr(10))} param_text)*'
+            any_name = literal("<parameter=") + r" /[^>\n]+/ " + literal(">\n")
+            return f"({any_name} param_text)*"
         required = set((function.get("parameters") or {}).get("required") or ())
         parts = []
         for name, schema in properties.items():
-            part = f"{literal(f'<parameter={name}>' + chr(10))} {_value(schema)}"
+            part = literal(f"<parameter={name}>\n") + " " + _value(schema)
             parts.append(part if name in required else f"({part})?")
         return " ".join(parts)
 
