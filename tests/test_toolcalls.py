@@ -5,20 +5,11 @@ import pytest
 
 from fixtures import chat_templates
 from test_functions import run, summary
+from test_grammar import WEATHER  # city: a string of at most 12 characters; days: 1 to 7
 from tornchat import functions, toolcalls
 from tornchat.engine.grammar import Compiler, GrammarError
 from tornchat.functions import Choice, Format
 
-WEATHER = {
-    "name": "get_weather",
-    "description": "Current weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"],
-        "additionalProperties": False,
-    },
-}
 NOTE = {
     "name": "take_note",
     "description": "Write a note down",

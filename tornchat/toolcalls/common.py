@@ -152,7 +152,7 @@ class Syntax:
         return "\n".join([self.auto_start(fmt), *rules])
 
     def auto_start(self, fmt: Format) -> str:
-        """"auto": free text (or the JSON answer) unless the trigger opens calls; from there they are constrained."""
+        """With "auto": free text (or the JSON answer) unless the trigger opens calls; from there they are constrained."""
         return "\n".join([
             f"start: {answer(fmt) if fmt.json else 'TEXT'} | call_head section",
             f"TEXT: {ANY_TEXT}",
@@ -277,8 +277,8 @@ class BlockParser:
             read = [(forced, trimmed.removesuffix(self.syntax.tail.strip()).rstrip())]
         pieces = []
         for name, args in read:
-            text = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-            pieces += [Piece("name", name, self.index), Piece("arguments", text, self.index)]
+            written = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+            pieces += [Piece("name", name, self.index), Piece("arguments", written, self.index)]
             self.index += 1
         return pieces
 
