@@ -6,8 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tornchat import functions, prompt
-from tornchat.functions import Choice, Piece, ReActParser, TaggedParser
+from tornchat import functions, prompt, toolcalls
+from tornchat.functions import Choice, Piece
+from tornchat.toolcalls import hermes
+from tornchat.toolcalls.react import ReActParser
 
 WEATHER = {
     "name": "get_weather",
@@ -142,44 +144,50 @@ def test_react_streams_content_before_the_end():
     assert "".join(p.text for p in pieces[1:]) == '{"city":'  # the trailing space is held back
 
 
+F_AND_G = [{"name": "f"}, {"name": "g"}]
 TAGGED_CASES = [
     (
-        (),
+        Choice(),
         'Sure.\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>',
         {"content": "Sure.", "calls": [{"name": "f", "arguments": '{"a": 1}'}]},
     ),
     (
-        (),
+        Choice(),
         '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>{"name": "g", "arguments": "{\\"b\\": 2}"}</tool_call>',
         {"content": "", "calls": [{"name": "f", "arguments": "{}"}, {"name": "g", "arguments": '{"b": 2}'}]},
     ),
     (
-        (),
+        Choice(),
         "plain text with a < sign and <tool> tags",
         {"content": "plain text with a < sign and <tool> tags", "calls": []},
     ),
     (  # a block that is not a call is shown as text
-        (),
+        Choice(),
         "x <tool_call>not json</tool_call>",
         {"content": "x <tool_call>not json</tool_call>", "calls": []},
     ),
+    (  # nor is a call to a function nobody offered
+        Choice(),
+        'x <tool_call>{"name": "h", "arguments": {}}</tool_call>',
+        {"content": 'x <tool_call>{"name": "h", "arguments": {}}</tool_call>', "calls": []},
+    ),
     (  # forced: the prompt opened the block and named the function
-        ('{"name": "f", "arguments": ', "f"),
+        Choice("named", "f"),
         '{"a": [1, 2]}}\n</tool_call>',
         {"content": "", "calls": [{"name": "f", "arguments": '{"a": [1, 2]}'}]},
     ),
     (  # forced, unclosed and invalid: the model's text is kept as arguments
-        ('{"name": "f", "arguments": ', "f"),
+        Choice("named", "f"),
         '{"a": oops}',
         {"content": "", "calls": [{"name": "f", "arguments": '{"a": oops'}]},
     ),
 ]
 
 
-@pytest.mark.parametrize("args, text, expected", TAGGED_CASES)
-def test_tagged_parser(args, text, expected):
-    assert summary(run(TaggedParser(*args), [text])) == expected
-    assert summary(run(TaggedParser(*args), list(text))) == expected
+@pytest.mark.parametrize("choice, text, expected", TAGGED_CASES)
+def test_tagged_parser(choice, text, expected):
+    assert summary(run(hermes.SYNTAX.parser(F_AND_G, choice), [text])) == expected
+    assert summary(run(hermes.SYNTAX.parser(F_AND_G, choice), list(text))) == expected
 
 
 # ---- prompts -----------------------------------------------------------------------
@@ -256,7 +264,7 @@ def tools_tokenizer(tokenizer):
 
 
 def test_native_template_gets_the_tools(tools_tokenizer):
-    assert functions.supports_tools(tools_tokenizer)
+    assert toolcalls.detect(tools_tokenizer) is hermes.SYNTAX
     plan = functions.plan(tools_tokenizer, CALLED, [WEATHER])
     tools = json.loads(plan.prompt.split("Tools: ", 1)[1].split("<|im_end|>", 1)[0])
     assert tools == [{"type": "function", "function": WEATHER}]

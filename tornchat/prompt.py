@@ -10,12 +10,12 @@ FALLBACK_TEMPLATE = (
 )
 
 
-def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
-    """The prompt text for messages, ending with the assistant's generation prompt."""
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None, generation_prompt: bool = True) -> str:
+    """The prompt text for messages, ending with the assistant's generation prompt unless told otherwise."""
     template = getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE
     kwargs = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
-        messages, chat_template=template, tokenize=False, add_generation_prompt=True, **kwargs
+        messages, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
     )
 
 
