@@ -36,7 +36,7 @@ setup(
     version="0.1.0",
     description="Low-latency OpenAI-compatible chat-completion server with its own decode loop",
     python_requires=">=3.10",
-    packages=["tornchat", "tornchat.engine", "tornchat.server", "tornchat.weights", "tornchat.kernels"],
+    packages=["tornchat", "tornchat.engine", "tornchat.server", "tornchat.toolcalls", "tornchat.weights", "tornchat.kernels"],
     package_dir={"tornchat.kernels": "kernels"},
     package_data={"tornchat": ["web/*.html", "web/*.js", "web/*.css", "web/*.svg"]},  # the chat page at GET /
     install_requires=[
