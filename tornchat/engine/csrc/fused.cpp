@@ -193,7 +193,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 //   w_j = exp(score_j - max score), total = the 16-lane sums of w in order of 16-position groups, then a tree;
 //   out = (sum over even j of w_j v_j + sum over odd j of w_j v_j) / total, each sum in order of j.
 
-constexpr int TILE = 4;  // queries that share each load of keys and values
+constexpr int TILE = 8;  // queries that share each load of keys and values: 2 T accumulators in registers
 
 struct Query {
   const float* q;   // [head_dim]
@@ -230,6 +230,14 @@ inline __attribute__((always_inline)) void value_pair(const BFloat16* values, in
                                                       int64_t j, int64_t c, Vec& v0, Vec& v1) {
   split_pairs(values + ((j / 2 * kv_heads + h) * d + c * LANES) * 2, v0, v1);
 }
+// Positions apart, kv_heads * head_dim values each, the hardware prefetcher does not follow far enough.
+constexpr int64_t VALUE_AHEAD = 16;
+template <typename Kv>
+inline __attribute__((always_inline)) void prefetch_value(const Kv* values, int64_t h, int64_t kv_heads, int64_t d,
+                                                          int64_t j, int64_t c) {
+  if constexpr (std::is_same_v<Kv, BFloat16>) __builtin_prefetch(values + ((j / 2 * kv_heads + h) * d + c * LANES) * 2);
+  else __builtin_prefetch(values + (j * kv_heads + h) * d + c * LANES);
+}
 template <typename Kv>
 inline __attribute__((always_inline)) Vec value_one(const Kv* values, int64_t h, int64_t kv_heads, int64_t d,
                                                     int64_t j, int64_t c) {
@@ -250,6 +258,7 @@ inline __attribute__((always_inline)) void score_tile(const Query* queries, cons
     Vec even[T], odd[T];
     for (int m = 0; m < T; ++m) even[m] = odd[m] = Vec{};
     for (int64_t t = 0; t < d / 2; ++t) {
+      __builtin_prefetch(block + block_stride + 2 * t * KEY_BLOCK);  // the next block: one line per pair of dims
       Vec k0, k1;
       key_pair(block, t, k0, k1);
       for (int m = 0; m < T; ++m) {
@@ -305,6 +314,7 @@ inline __attribute__((always_inline)) void attend_tile(const Query* queries, con
     Vec even[T], odd[T];
     for (int m = 0; m < T; ++m) even[m] = odd[m] = Vec{};
     for (int64_t j = 0; j < shared; j += 2) {
+      prefetch_value(values, h, kv_heads, d, j + VALUE_AHEAD, c);
       Vec v0, v1;
       value_pair(values, h, kv_heads, d, j, c, v0, v1);
       for (int m = 0; m < T; ++m) {
@@ -335,6 +345,10 @@ inline __attribute__((always_inline)) void attend_tiles(const Query* queries, in
                                                         const Kv* values, int64_t h, int64_t kv_heads, int64_t d,
                                                         float scale, float* scores) {
   switch (count) {
+    case 8: attend_tile<8>(queries, keys, values, h, kv_heads, d, scale, scores); break;
+    case 7: attend_tile<7>(queries, keys, values, h, kv_heads, d, scale, scores); break;
+    case 6: attend_tile<6>(queries, keys, values, h, kv_heads, d, scale, scores); break;
+    case 5: attend_tile<5>(queries, keys, values, h, kv_heads, d, scale, scores); break;
     case 4: attend_tile<4>(queries, keys, values, h, kv_heads, d, scale, scores); break;
     case 3: attend_tile<3>(queries, keys, values, h, kv_heads, d, scale, scores); break;
     case 2: attend_tile<2>(queries, keys, values, h, kv_heads, d, scale, scores); break;
