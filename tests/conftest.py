@@ -1,12 +1,15 @@
 """Shared fixtures: a tiny random-weight Llama for fast tests, the real SmolLM2 for integration."""
+import copy
 import json
 
 import openai
 import pytest
 import torch
+from tokenizers import AddedToken
 
 import servers
 from tornchat import checkpoint, prompt
+from tornchat.engine.grammar import Compiler
 from tornchat.engine.model import HFRunner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.worker import Engine
@@ -41,6 +44,19 @@ def smol(smol_dir) -> checkpoint.Loaded:
 @pytest.fixture(scope="session")
 def tokenizer(smol):
     return smol.tokenizer
+
+
+@pytest.fixture(scope="session")
+def marker_tokenizer(tokenizer):
+    """SmolLM2's vocabulary plus Llama's and Mistral's tool-call markers as special tokens, as their own tokenizers have them."""
+    tok = copy.deepcopy(tokenizer)  # copy.copy would share the backend, and add the tokens to every test's tokenizer
+    tok.add_tokens([AddedToken(m, special=True, normalized=False) for m in ("<|python_tag|>", "[TOOL_CALLS]", "[ARGS]")], special_tokens=True)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def marker_compiler(marker_tokenizer):
+    return Compiler(marker_tokenizer)
 
 
 @pytest.fixture(scope="session")
