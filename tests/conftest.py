@@ -62,11 +62,15 @@ def marker_compiler(marker_tokenizer):
 @pytest.fixture(scope="session")
 def tiny_model(tokenizer):
     """2-layer Llama with random weights over SmolLM2's vocabulary: fast, deterministic."""
+    return tiny_llama(len(tokenizer))
+
+
+def tiny_llama(vocab_size: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
