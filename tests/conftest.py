@@ -1,12 +1,15 @@
 """Shared fixtures: a tiny random-weight Llama for fast tests, the real SmolLM2 for integration."""
+import copy
 import json
 
 import openai
 import pytest
 import torch
+from tokenizers import AddedToken
 
 import servers
 from tornchat import checkpoint, prompt
+from tornchat.engine.grammar import Compiler
 from tornchat.engine.model import HFRunner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.worker import Engine
@@ -44,13 +47,30 @@ def tokenizer(smol):
 
 
 @pytest.fixture(scope="session")
+def marker_tokenizer(tokenizer):
+    """SmolLM2's vocabulary plus Llama's and Mistral's tool-call markers as special tokens, as their own tokenizers have them."""
+    tok = copy.deepcopy(tokenizer)  # copy.copy would share the backend, and add the tokens to every test's tokenizer
+    tok.add_tokens([AddedToken(m, special=True, normalized=False) for m in ("<|python_tag|>", "[TOOL_CALLS]", "[ARGS]")], special_tokens=True)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def marker_compiler(marker_tokenizer):
+    return Compiler(marker_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tokenizer):
     """2-layer Llama with random weights over SmolLM2's vocabulary: fast, deterministic."""
+    return tiny_llama(len(tokenizer))
+
+
+def tiny_llama(vocab_size: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,

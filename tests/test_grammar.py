@@ -16,6 +16,7 @@ from tornchat.engine import GenerationRequest, SamplingParams
 from tornchat.engine.grammar import Compiler, GrammarError, json_value, literal, schema_error
 from tornchat.functions import Choice, Format
 
+from fixtures import chat_templates
 from test_functions import TOOLS_TEMPLATE, run, summary
 
 WEATHER = {
@@ -130,13 +131,14 @@ def test_literal_is_exact(compiler, tokenizer):
 # ---- the decode loop under a grammar ----------------------------------------------
 
 
-def generate(engine, compiler, plan, seed, max_tokens=120):
+def generate(engine, compiler, plan, seed, max_tokens=120, logit_bias=()):
     request = GenerationRequest(
         prompt.encode(engine.tokenizer, plan.prompt),
-        sampling=SamplingParams(temperature=1.0, seed=seed),
+        sampling=SamplingParams(temperature=1.0, seed=seed, logit_bias=logit_bias),
         max_tokens=max_tokens,
         stop=plan.stops,
         grammar=compiler.compile(plan.grammar) if plan.grammar else None,
+        keep_special=plan.keep,
     )
     events = list(engine.generate(request))
     return "".join(e.text for e in events), events[-1]
@@ -206,6 +208,50 @@ def test_forced_native_calls_parse_and_validate(tools_engine, compiler, choice, 
     text, last = generate(tools_engine, compiler, plan, seed)
     assert_calls_valid(plan, text, SCHEMAS)
     assert last.finish_reason == "stop" and text.endswith("</tool_call>")
+
+
+@pytest.fixture(scope="module")
+def marker_model(marker_tokenizer):
+    from conftest import tiny_llama
+
+    return tiny_llama(len(marker_tokenizer))
+
+
+def marker_engine(model, marker_tokenizer, template: str):
+    """The tiny model behind a template whose tool-call markers are special tokens of its vocabulary."""
+    from conftest import make_engine
+
+    tok = copy.copy(marker_tokenizer)
+    tok.chat_template = getattr(chat_templates, template)
+    return make_engine(model, tok)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_auto_call_after_a_special_marker_parses_and_validates(marker_model, marker_tokenizer, marker_compiler, seed):
+    """With "auto", a model that writes Llama's <|python_tag|> token (here pushed by a logit bias) makes a call."""
+    engine = marker_engine(marker_model, marker_tokenizer, "LLAMA_3_1")
+    try:
+        plan = functions.plan(engine.tokenizer, ASK, [WEATHER, ALARM])
+        tag = marker_tokenizer.convert_tokens_to_ids("<|python_tag|>")
+        text, last = generate(engine, marker_compiler, plan, seed, logit_bias=((tag, 100.0),))
+    finally:
+        engine.close()
+    assert text.startswith("<|python_tag|>{") and last.finish_reason == "stop"
+    assert len(assert_calls_valid(plan, text, SCHEMAS)) == 1
+    assert summary(run(plan.parser, [text]))["content"] == ""
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_required_call_with_special_markers_parses_and_validates(marker_model, marker_tokenizer, marker_compiler, seed):
+    """Mistral Small 3.2's calls are name[ARGS]{...}, [ARGS] a special token the grammar makes the model write."""
+    engine = marker_engine(marker_model, marker_tokenizer, "MISTRAL_SMALL_3_2")
+    try:
+        plan = functions.plan(engine.tokenizer, ASK, [WEATHER, ALARM], Choice("required"))
+        text, _ = generate(engine, marker_compiler, plan, seed)
+    finally:
+        engine.close()
+    assert "[ARGS]{" in text
+    assert_calls_valid(plan, text, SCHEMAS)
 
 
 def test_auto_call_is_constrained_once_it_starts(compiler, tokenizer):

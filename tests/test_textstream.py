@@ -21,6 +21,17 @@ def test_detokenizer_holds_partial_utf8_until_complete(tokenizer):
     assert detok.push(ids[-1]) == "🙂"
 
 
+def test_detokenizer_keeps_only_the_special_tokens_asked_for(marker_tokenizer):
+    tok = marker_tokenizer
+    ids = tok('Hi<|im_end|><|python_tag|>{"a": 1}[TOOL_CALLS]<|endoftext|> bye', add_special_tokens=False)["input_ids"]
+    tag = tok.convert_tokens_to_ids("<|python_tag|>")
+    assert tag in ids and tok.convert_tokens_to_ids("[TOOL_CALLS]") in ids  # each marker one special token
+    kept = Detokenizer(tok, frozenset({tag}))
+    assert "".join(kept.push(i) for i in ids) == 'Hi<|python_tag|>{"a": 1} bye'
+    skipped = Detokenizer(tok)
+    assert "".join(skipped.push(i) for i in ids) == tok.decode(ids, skip_special_tokens=True) == 'Hi{"a": 1} bye'
+
+
 def feed(matcher, pieces):
     out, hit = [], False
     for piece in pieces:

@@ -8,6 +8,7 @@ from test_functions import run, summary
 from test_grammar import WEATHER  # city: a string of at most 12 characters; days: 1 to 7
 from tornchat import functions, toolcalls
 from tornchat.engine.grammar import Compiler, GrammarError
+from tornchat.engine.textstream import Detokenizer
 from tornchat.functions import Choice, Format
 
 NOTE = {
@@ -75,8 +76,12 @@ REPLIES = [
 @pytest.fixture(scope="module")
 def templated(tokenizer):
     """A tokenizer per template fixture: the test vocabulary behind that model's chat template."""
+    return with_templates(tokenizer, TEMPLATES)
+
+
+def with_templates(tokenizer, names) -> dict:
     tokenizers = {}
-    for name in TEMPLATES:
+    for name in names:
         tok = copy.copy(tokenizer)
         tok.chat_template = getattr(chat_templates, name)
         tokenizers[name] = tok
@@ -265,3 +270,81 @@ def test_mistral_array_may_hold_the_other_layouts_marker_in_a_string(templated):
     reply = '[TOOL_CALLS] [{"name": "take_note", "arguments": {"text": "[ARGS]"}}]'
     parser = functions.plan(templated["MISTRAL_V03"], ASK, OFFERED).parser
     assert summary(run(parser, [reply]))["calls"] == [{"name": "take_note", "arguments": '{"text": "[ARGS]"}'}]
+
+
+# ---- markers that are special tokens in the model's tokenizer ----------------------
+
+# template -> a reply whose markers are special tokens in that model's tokenizer, what it reads as, the markers
+SPECIAL_REPLIES = {
+    "LLAMA_3_1": (f"Let me look that up.<|python_tag|>{LLAMA_CALL}", {"content": "Let me look that up.", "calls": [PARIS]}, ("<|python_tag|>",)),
+    "MISTRAL_V03": (f"[TOOL_CALLS] [{MISTRAL_CALL}, {MISTRAL_NOTE}]", {"content": "", "calls": [PARIS, NOTED]}, ("[TOOL_CALLS]",)),
+    "MISTRAL_SMALL_3_2": (
+        'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]take_note[ARGS]{"text": "Paris: sunny"}',
+        {"content": "Checking.", "calls": [PARIS, NOTED]},
+        ("[TOOL_CALLS]", "[ARGS]"),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def marker_templated(marker_tokenizer):
+    """Llama's and Mistral's templates over a vocabulary that has their markers as special tokens."""
+    return with_templates(marker_tokenizer, SPECIAL_REPLIES)
+
+
+def test_only_special_token_markers_are_kept(templated, marker_templated):
+    assert all(functions.plan(tok, ASK, OFFERED).keep == frozenset() for tok in templated.values())
+    for name, (_, _, markers) in SPECIAL_REPLIES.items():
+        tok = marker_templated[name]
+        assert functions.plan(tok, ASK, OFFERED).keep == {tok.convert_tokens_to_ids(m) for m in markers}
+        assert functions.plan(tok, ASK, OFFERED, Choice("none")).keep == frozenset(), "no calls: nothing to read"
+
+
+@pytest.mark.parametrize("name", SPECIAL_REPLIES)
+def test_special_token_markers_reach_the_parser(marker_templated, name):
+    """Token ids through the text stream and the parser, as the server runs them, streamed or whole."""
+    tok = marker_templated[name]
+    reply, expected, _ = SPECIAL_REPLIES[name]
+    plan = functions.plan(tok, ASK, OFFERED)
+    ids = tok(reply, add_special_tokens=False)["input_ids"]
+    assert plan.keep <= set(ids), "each marker is one special token"
+    detok = Detokenizer(tok, plan.keep)
+    streamed = [detok.push(token) for token in ids]
+    assert summary(run(plan.parser, streamed)) == expected
+    assert summary(run(functions.plan(tok, ASK, OFFERED).parser, ["".join(streamed)])) == expected
+    skipping = Detokenizer(tok)  # every special token skipped: the calls are lost
+    assert summary(run(functions.plan(tok, ASK, OFFERED).parser, [skipping.push(token) for token in ids]))["calls"] != expected["calls"]
+
+
+def test_a_special_marker_before_no_call_is_not_shown(marker_templated):
+    """Llama's built-in tools follow <|python_tag|> too: not an offered call, so text, without the special token."""
+    tok = marker_templated["LLAMA_3_1"]
+    plan = functions.plan(tok, ASK, OFFERED)
+    detok = Detokenizer(tok, plan.keep)
+    streamed = [detok.push(token) for token in tok('<|python_tag|>brave_search.call(query="Paris")', add_special_tokens=False)["input_ids"]]
+    assert summary(run(plan.parser, streamed)) == {"content": 'brave_search.call(query="Paris")', "calls": []}
+
+
+@pytest.mark.parametrize("name", SPECIAL_REPLIES)
+def test_grammars_write_special_markers_as_those_tokens(marker_templated, marker_compiler, marker_tokenizer, tokenizer, name):
+    tok = marker_templated[name]
+    good, unoffered, wrong = GRAMMAR_CASES[name]
+    auto = functions.plan(tok, ASK, OFFERED).grammar
+    assert all(f"<[{token}]>" in auto for token in functions.plan(tok, ASK, OFFERED).keep)
+    assert accepts(marker_compiler, marker_tokenizer, auto, good)
+    assert accepts(marker_compiler, marker_tokenizer, auto, "It is sunny.")
+    assert not accepts(marker_compiler, marker_tokenizer, auto, unoffered)
+    assert not accepts(marker_compiler, marker_tokenizer, auto, wrong)
+    syntax = toolcalls.detect(tok)
+    for choice in (Choice("required"), Choice("named", "get_weather")):
+        lark = functions.plan(tok, ASK, OFFERED, choice).grammar
+        written = _call_text(name)[len(syntax.opening(choice)) :]
+        assert accepts(marker_compiler, marker_tokenizer, lark, written)
+        if "[ARGS]" in written:  # the plain vocabulary spells the marker in text tokens, which the model would not write
+            assert not accepts(marker_compiler, tokenizer, lark, written)
+
+
+def test_llama_json_answer_or_special_tag_call(marker_templated, marker_compiler, marker_tokenizer):
+    lark = functions.plan(marker_templated["LLAMA_3_1"], ASK, OFFERED, fmt=Format("json_object")).grammar
+    assert accepts(marker_compiler, marker_tokenizer, lark, '{"answer": "sunny"}')
+    assert accepts(marker_compiler, marker_tokenizer, lark, f"<|python_tag|>{LLAMA_CALL}")

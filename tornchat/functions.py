@@ -58,7 +58,8 @@ def _native_plan(syntax: Syntax, tokenizer, messages: list[dict], functions: lis
     text = prompt.render(tokenizer, rendered, tools)
     if not functions:
         return Plan(text, (), None, f"start: {answer(fmt)}" if fmt.json else None)
-    return Plan(text + syntax.opening(choice), (), syntax.parser(functions, choice), syntax.grammar(functions, choice, fmt))
+    keep = frozenset(token for _, token in syntax.special)
+    return Plan(text + syntax.opening(choice), (), syntax.parser(functions, choice), syntax.grammar(functions, choice, fmt), keep)
 
 
 def _native_messages(messages: list[dict], syntax: Syntax) -> list[dict]:

@@ -85,7 +85,7 @@ def generate(
         grammar = request.grammar
         if grammar is not None:
             grammar.fill_mask()
-        detok, stops = Detokenizer(tokenizer), StopMatcher(request.stop)
+        detok, stops = Detokenizer(tokenizer, request.keep_special), StopMatcher(request.stop)
         history = processors.History(prompt)
         drafter = speculate.Drafter(speculation, prompt, request.prediction_ids, budget) if speculation else None
         rows = [logits]  # logits of the next positions: this step's, then one per draft fed after it

@@ -8,6 +8,7 @@ keep the text inside the grammar; the decode loop sets every other logit to
 is complete and allows nothing more, the generation ends.
 """
 import json
+import re
 
 import llguidance.hf
 import numpy as np
@@ -37,9 +38,17 @@ def json_value(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": JSON_STYLE})
 
 
-def literal(text: str) -> str:
-    """A Lark string literal for exactly this text."""
-    return json.dumps(text)
+def literal(text: str, special: dict[str, int] | None = None) -> str:
+    """A Lark expression for exactly this text.
+
+    ``special``: texts the tokenizer has as special tokens, by id. Those are
+    written as the token (``<[id]>``): the tokenizer never spells a special
+    token with plain-text tokens, so as text the model could not write them.
+    """
+    if not special:
+        return json.dumps(text)
+    parts = re.split("(" + "|".join(re.escape(t) for t in sorted(special, key=len, reverse=True)) + ")", text)
+    return " ".join(f"<[{special[part]}]>" if part in special else json.dumps(part) for part in parts if part) or json.dumps("")
 
 
 class Compiler:

@@ -7,23 +7,38 @@ class Detokenizer:
     Decoding a window that starts a few tokens back (``prefix``) keeps
     tokenizers that merge spaces or bytes across tokens correct, while the
     cost per token stays constant.
+
+    Special tokens are skipped, except those in ``keep``: a tool-call
+    format's markers that the tokenizer has as special tokens
+    (``<|python_tag|>``), which the reply's parser must see.
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, keep: frozenset[int] = frozenset()):
         self.tokenizer = tokenizer
+        self.skipped = frozenset(special_tokens(tokenizer).values()) - keep if keep else None  # None: every special token
         self.ids: list[int] = []
         self.prefix = 0  # start of the decoding window
         self.read = 0  # ids before this index have been emitted as text
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        decode = self.tokenizer.decode
-        emitted = decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
-        window = decode(self.ids[self.prefix :], skip_special_tokens=True)
+        emitted = self._decode(self.ids[self.prefix : self.read])
+        window = self._decode(self.ids[self.prefix :])
         if len(window) <= len(emitted) or window.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         self.prefix, self.read = self.read, len(self.ids)
         return window[len(emitted) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.skipped is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        # The tokenizer skips all special tokens or none: drop the unwanted ones first, then decode the rest as written.
+        return self.tokenizer.decode([i for i in ids if i not in self.skipped], skip_special_tokens=False)
+
+
+def special_tokens(tokenizer) -> dict[str, int]:
+    """The tokens decode(skip_special_tokens=True) skips (the added tokens marked special), text -> id."""
+    return {token.content: i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
 
 
 class StopMatcher:

@@ -53,6 +53,7 @@ class GenerationRequest:
     logprobs: int | None = None  # None: none computed; n: each token's logprob and the n most likely
     grammar: Grammar | None = None  # constrains the generated text (structured outputs, function calls)
     prediction_ids: list[int] = field(default_factory=list)  # text the reply is expected to repeat (drafts)
+    keep_special: frozenset[int] = frozenset()  # special tokens decoded into the text (a tool-call format's markers)
 
 
 @dataclass(frozen=True)

@@ -237,6 +237,7 @@ class GenerationHandler(BaseHandler):
             logprobs=request.logprobs,
             grammar=self._grammar(plan.grammar),
             prediction_ids=self._prediction_ids(request),
+            keep_special=plan.keep,
         )
         return generation, plan.parser
 

@@ -11,11 +11,13 @@ template for a conversation with and without an assistant message holding a
 probe call, and look at what the template added for it. To add a format,
 write its module and list it in FORMATS.
 """
+import dataclasses
 import functools
 
 from jinja2 import TemplateError
 
 from tornchat import prompt
+from tornchat.engine.textstream import special_tokens
 from tornchat.toolcalls import hermes, llama3, mistral, qwen3_coder
 from tornchat.toolcalls.common import Syntax
 
@@ -41,7 +43,10 @@ PROBE_CALL = {
 
 
 def detect(tokenizer) -> Syntax | None:
-    """The tool-call format the tokenizer's chat template writes, or None (ReAct) if it writes none we know."""
+    """The tool-call format the tokenizer's chat template writes, or None (ReAct) if it writes none we know.
+
+    Its ``special`` names the markers this tokenizer has as special tokens.
+    """
     template = getattr(tokenizer, "chat_template", None)
     return _detect(tokenizer, template) if template else None
 
@@ -50,7 +55,12 @@ def detect(tokenizer) -> Syntax | None:
 @functools.lru_cache(maxsize=16)
 def _detect(tokenizer, template: str) -> Syntax | None:
     written = written_call(tokenizer)
-    return next((syntax for module in FORMATS if (syntax := module.detect(written))), None)
+    syntax = next((syntax for module in FORMATS if (syntax := module.detect(written))), None)
+    if syntax is None:
+        return None
+    special = special_tokens(tokenizer)
+    found = tuple((marker, special[marker]) for marker in syntax.markers() if marker in special)
+    return dataclasses.replace(syntax, special=found) if found else syntax
 
 
 def written_call(tokenizer) -> str:

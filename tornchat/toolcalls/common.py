@@ -9,6 +9,12 @@ section ends with ``close``; further sections follow after ``again``) and
 the format's module supplies ``read``, which turns one block of generated
 text back into calls. The grammar and the parser are built from those, so
 the two cannot disagree about what a call looks like.
+
+Where the model's tokenizer has a marker as a special token (Llama's
+``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``), ``detect`` records it in
+``special``: the grammar then writes that token, the text stream keeps it
+for the parser (``Plan.keep``), and text shown to the user leaves it out as
+it does any special token.
 """
 import json
 from dataclasses import dataclass
@@ -57,6 +63,7 @@ class Plan:
     stops: tuple[str, ...]  # added to the request's own stop strings
     parser: object | None  # push(text) / finish() -> list[Piece]; None: all generated text is content
     grammar: str | None = None  # Lark text (tornchat.engine.grammar) for everything generated; None: free
+    keep: frozenset[int] = frozenset()  # special tokens the parser reads, so the text stream must not skip them
 
 
 def answer(fmt: Format) -> str:
@@ -115,6 +122,28 @@ class Syntax:
     close: str = ""  # after a section's last call
     again: str | None = None  # between sections; None: one section per reply (the format has no parallel calls)
     bare: bool = False  # a reply that opens with "{" is a call without any marker (Llama)
+    special: tuple[tuple[str, int], ...] = ()  # (marker, token id) for the markers the tokenizer has as special tokens
+
+    def markers(self) -> tuple[str, ...]:
+        """The texts that frame calls which a tokenizer may have as single special tokens."""
+        return tuple(text for text in (self.marker, self.end) if text)
+
+    def lark(self, text: str) -> str:
+        """Lark for exactly this text, its special-token markers as those tokens."""
+        return literal(text, dict(self.special))
+
+    def visible(self, text: str) -> str:
+        """Generated text as the user sees it: special-token markers left out, like every other special token."""
+        for marker, _ in self.special:
+            text = text.replace(marker, "")
+        return text
+
+    def call_head(self, text: str, opening: str) -> str:
+        """The Lark rule for free text (``text``: a terminal or regex) up to ``opening``, which starts calls."""
+        if any(opening.startswith(marker) for marker, _ in self.special):
+            # Free text cannot hold a special token, so the token ends it without a lazy lexeme (which could not hold it).
+            return f"call_head: {text} {self.lark(opening)}"
+        return f"call_head[lazy]: {text} {self.lark(opening)}"
 
     def head(self, name: str) -> str:
         """A call's text up to its arguments."""
@@ -141,12 +170,12 @@ class Syntax:
     def grammar(self, functions: list[dict], choice: Choice, fmt: Format) -> str:
         """Lark for the text after the prompt (and after ``opening``)."""
         if choice.mode == "named":
-            start = f"start: {self.call_arguments(named(functions, choice.name))} {literal(self.tail + self.close)}"
+            start = f"start: {self.call_arguments(named(functions, choice.name))} {self.lark(self.tail + self.close)}"
             return "\n".join([start, *self.rules()])
-        one = " | ".join(f"{literal(self.head(f['name']))} {self.call_arguments(f)} {literal(self.tail)}" for f in functions)
-        joined = "call" if self.separator is None else f"call ({literal(self.separator)} call)*"
-        more = "" if self.again is None else f" ({literal(self.again + self.trigger)} section)*"
-        rules = [f"call: {one}", f"section: {joined} {literal(self.close)}{more}", *self.rules()]
+        one = " | ".join(f"{self.lark(self.head(f['name']))} {self.call_arguments(f)} {self.lark(self.tail)}" for f in functions)
+        joined = "call" if self.separator is None else f"call ({self.lark(self.separator)} call)*"
+        more = "" if self.again is None else f" ({self.lark(self.again + self.trigger)} section)*"
+        rules = [f"call: {one}", f"section: {joined} {self.lark(self.close)}{more}", *self.rules()]
         if choice.mode == "required":
             return "\n".join(["start: section", *rules])
         return "\n".join([self.auto_start(fmt), *rules])
@@ -156,7 +185,7 @@ class Syntax:
         return "\n".join([
             f"start: {answer(fmt) if fmt.json else 'TEXT'} | call_head section",
             f"TEXT: {ANY_TEXT}",
-            "call_head[lazy]: TEXT " + literal(self.trigger),
+            self.call_head("TEXT", self.trigger),
         ])
 
     def parser(self, functions: list[dict], choice: Choice) -> "BlockParser":
@@ -271,7 +300,7 @@ class BlockParser:
         if not read or any(name not in offered for name, _ in read):
             if not forced:  # not calls we can read: show what the model wrote
                 closing = self.syntax.end if ended and self.syntax.end else ""
-                return [Piece("content", self.tail.push(f"{self.shown}{generated}{closing}"))]
+                return [Piece("content", self.tail.push(self.syntax.visible(f"{self.shown}{generated}{closing}")))]
             # Cut off before the call was whole: the forced name is known; the model's text is its arguments.
             trimmed = generated.strip().removesuffix(self.syntax.close.strip()).rstrip()
             read = [(forced, trimmed.removesuffix(self.syntax.tail.strip()).rstrip())]

@@ -10,7 +10,6 @@ brace is a call.
 import json
 from dataclasses import dataclass
 
-from tornchat.engine.grammar import literal
 from tornchat.toolcalls.common import Format, Syntax, answer
 
 PYTHON_TAG = "<|python_tag|>"
@@ -24,11 +23,11 @@ class Llama3(Syntax):
 
     def auto_start(self, fmt: Format) -> str:
         if fmt.json:  # the JSON answer opens with "{" too: a call must then start with the tag
-            return f"start: {answer(fmt)} | {literal(PYTHON_TAG)} section"
+            return f"start: {answer(fmt)} | {self.lark(PYTHON_TAG)} section"
         return "\n".join([
             "start: TEXT | section | call_head section",
             f"TEXT: {NOT_A_BRACE}",
-            f"call_head[lazy]: {NOT_A_BRACE} {literal(PYTHON_TAG)}",
+            self.call_head(NOT_A_BRACE, PYTHON_TAG),
         ])
 
 

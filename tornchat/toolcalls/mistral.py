@@ -17,6 +17,9 @@ TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 @dataclass(frozen=True)
 class Mistral(Syntax):
+    def markers(self) -> tuple[str, ...]:
+        return (TOOL_CALLS,) if self.separator else (TOOL_CALLS, ARGS)
+
     def head(self, name: str) -> str:
         if self.separator is None:
             return name + ARGS
