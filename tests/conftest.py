@@ -136,6 +136,24 @@ def tiny_qwen2():
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3():
+    """Qwen3 norms each query and key head before RoPE, and its head_dim times heads is not its hidden size."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    config = Qwen3Config(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=600, use_sliding_window=False,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # norm weights away from 1, different per dimension: their order must be right
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.fixture(scope="session")
 def chromium():
     """Debian's Chromium under Playwright; the browser tests skip, saying why, on a machine without it."""
     import browser

@@ -47,9 +47,11 @@ def file_values(array: np.ndarray, type_name: str) -> np.ndarray:
 
 
 def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 2, hidden: int = 256, ffn: int = 512,
-          heads: int = 4, kv_heads: int = 2, tied: bool = True, seed: int = 0, tokenizer: bool = False) -> Path:
+          heads: int = 4, kv_heads: int = 2, tied: bool = True, seed: int = 0, tokenizer: bool = False,
+          head_dim: int | None = None) -> Path:
     """A model file: ``types`` maps a tensor's role (q, k, v, o, gate, up, down, embed, output) to its type;
-    roles not given are F32. Qwen2 files get q/k/v biases. With ``tokenizer``, the embedded model's
+    roles not given are F32. Qwen2 files get q/k/v biases, Qwen3 files per-head q/k norms (and ``head_dim``, if
+    given, is written as the key length, heads times it need not be ``hidden``). With ``tokenizer``, the embedded model's
     tokenizer and its vocabulary; without, a 512-token vocabulary and no tokenizer (faster to read).
     Broken files for the error tests: ``types["missing"]`` names a tensor or metadata key left out,
     ``types["heads"]`` a head count written into the metadata that the tensors do not have."""
@@ -69,7 +71,10 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
     writer.add_uint32(f"{arch}.vocab_size", vocab)
     for key, value, vtype, sub_type in tokenizer_fields(embedded) if tokenizer else ():
         writer.add_key_value(key, value, vtype, sub_type=sub_type)
-    head_dim = hidden // heads
+    if head_dim:
+        writer.add_uint32(f"{arch}.attention.key_length", head_dim)
+        writer.add_uint32(f"{arch}.attention.value_length", head_dim)
+    head_dim = head_dim or hidden // heads
 
     def add(name: str, role: str, rows: int, cols: int):
         if name == missing:
@@ -88,6 +93,9 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
         if arch == "qwen2":
             for part, size in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
                 writer.add_tensor(f"blk.{i}.attn_{part}.bias", rng.normal(0, 0.5, size * head_dim).astype(np.float32))
+        if arch == "qwen3":
+            for part in "qk":
+                writer.add_tensor(f"blk.{i}.attn_{part}_norm.weight", rng.uniform(0.5, 1.5, head_dim).astype(np.float32))
         add(f"blk.{i}.attn_output.weight", "o", hidden, heads * head_dim)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
         add(f"blk.{i}.ffn_gate.weight", "gate", ffn, hidden)

@@ -29,17 +29,20 @@ def test_rms_norm(bf16_out):
     torch.testing.assert_close(plain.pow(2).mean(-1), torch.ones(3), atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("normed", [False, True])
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 @pytest.mark.parametrize("in_dtype", DTYPES)
-def test_rope_store(in_dtype, kv_dtype):
+def test_rope_store(in_dtype, kv_dtype, normed):
     heads, kv_heads, head_dim, rows, start = 9, 3, 64, 5, 7
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(in_dtype)
     angles = torch.rand(rows, head_dim // 2) * 6
     freqs = torch.view_as_real(torch.polar(torch.full_like(angles, 1.1), angles)).contiguous()
+    qk_norm = torch.ones(2, head_dim) if normed else None  # Qwen3's per-head norms (their weights: test_llama_runner)
     results = []
     for rope_store in (fused.NATIVE.rope_store, fused.rope_store_ref):
         cache = torch.zeros(2, 16, kv_heads, head_dim, dtype=kv_dtype)
-        queries = rope_store(qkv, freqs, cache[0, start : start + rows], cache[1, start : start + rows], heads, kv_heads)
+        queries = rope_store(qkv, freqs, cache[0, start : start + rows], cache[1, start : start + rows], heads, kv_heads,
+                             qk_norm, 1e-6)
         results.append((queries, cache))
     (got_q, got_cache), (ref_q, ref_cache) = results
     assert got_q.shape == (rows, heads, head_dim) and got_q.dtype == ref_q.dtype == kv_dtype
@@ -50,7 +53,10 @@ def test_rope_store(in_dtype, kv_dtype):
     # Values are copied, not rotated; a rotation keeps each pair's length, times the magnitude 1.1.
     torch.testing.assert_close(got_cache[1, start : start + rows].float(), qkv[:, -kv_heads * head_dim :].float().to(kv_dtype).float().view(rows, kv_heads, head_dim))
     pairs = qkv[:, : heads * head_dim].float().view(rows, heads, -1, 2)
-    torch.testing.assert_close(got_q.float().view(rows, heads, -1, 2).norm(dim=-1), 1.1 * pairs.norm(dim=-1), **tolerance)
+    if normed:  # unit root-mean-square per head, then rotated: each head's norm is sqrt(head_dim) times 1.1
+        torch.testing.assert_close(got_q.float().norm(dim=-1), torch.full((rows, heads), 1.1 * head_dim ** 0.5), **tolerance)
+    else:
+        torch.testing.assert_close(got_q.float().view(rows, heads, -1, 2).norm(dim=-1), 1.1 * pairs.norm(dim=-1), **tolerance)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -106,7 +112,7 @@ def test_bad_inputs_raise_instead_of_crashing():
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 @pytest.mark.parametrize("quantize", ["none", "int8", "int4", "bf16"])
-@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen2"])
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen2", "tiny_qwen3"])
 def test_the_cpp_forward_is_the_python_loop(model_name, quantize, kv_dtype, request):
     """Forward runs _layers' loop in C++ (biases included): the same caches and logits, prefill and steps, but
     for the last bits of its own norms and attention (fused.attend, which computes each row as if alone)."""
@@ -121,4 +127,7 @@ def test_the_cpp_forward_is_the_python_loop(model_name, quantize, kv_dtype, requ
         got, expected = (runner.forward([token], cache, decode=True) for runner, cache in zip((cpp, loop), caches))
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
     assert caches[0].length == caches[1].length == 29
-    torch.testing.assert_close(cpp.positions(caches[0]).float(), loop.positions(caches[1]).float(), atol=1e-2, rtol=1e-2)
+    # Within 1% of the cache's largest value: int8 activations round to 1/127 of their block's largest, and
+    # Qwen3's per-head norms scale that up for heads whose keys are small.
+    expected = loop.positions(caches[1]).float()
+    torch.testing.assert_close(cpp.positions(caches[0]).float(), expected, atol=1e-2 * float(expected.abs().max()), rtol=1e-2)

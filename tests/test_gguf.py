@@ -64,10 +64,12 @@ MIXES = {
 
 
 @pytest.mark.parametrize("arch, mix, tied", [("llama", name, True) for name in MIXES] + [("llama", "q4_k_m", False),
-                                             ("qwen2", "q4_0", True)])
+                                             ("qwen2", "q4_0", True), ("qwen3", "q4_k_m", True)])
 def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, arch, mix, tied):
     types = MIXES[mix] | ({"output": "Q6_K"} if not tied else {})
-    path = gguf_files.write(tmp_path / f"{arch}-{mix}.gguf", types, arch=arch, tied=tied)
+    # Qwen3's heads times head_dim is not its hidden size (0.6B: 16 x 128 over 1024)
+    path = gguf_files.write(tmp_path / f"{arch}-{mix}.gguf", types, arch=arch, tied=tied,
+                            head_dim=128 if arch == "qwen3" else None)
     expected = hf_logits(path, IDS)
     config, plain = gguf_file.load(path, plain=torch.float32)  # the file's values, dequantized
     torch.testing.assert_close(llama.LlamaRunner(config, plain, kv_dtype=torch.float32).score(IDS, "exact"), expected,

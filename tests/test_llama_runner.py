@@ -34,7 +34,7 @@ def run_chunks(runner, cache, tokens: list[int], chunk: int) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen2"])
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen2", "tiny_qwen3"])
 def test_tiny_logits_match_hf_prefill_chunks_and_decode(model_name, request):
     model = request.getfixturevalue(model_name)
     hf, lean_runner = HFRunner(model), lean(model, kv_dtype=torch.float32)  # F32 blocks: transformers' numbers

@@ -35,7 +35,7 @@ def step(runner, token: torch.Tensor, position: torch.Tensor, kv: torch.Tensor) 
         qkv = quant.linear(h, layer.wqkv)
         if layer.bqkv is not None:
             qkv = qkv + layer.bqkv
-        rotated = fused.rope_ref(qkv, freqs, heads, kv_heads, head_dim)
+        rotated = fused.rope_ref(qkv, freqs, heads, kv_heads, head_dim, layer.qk_norm, runner.eps)
         keys, values = kv[i].unbind()
         keys.index_copy_(0, position, rotated[:, heads:].to(kv.dtype))
         values.index_copy_(0, position, qkv[:, (heads + kv_heads) * head_dim :].reshape(1, kv_heads, head_dim).to(kv.dtype))

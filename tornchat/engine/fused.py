@@ -33,26 +33,34 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, bf16_out: bo
     return y.bfloat16() if bf16_out else y
 
 
-def rope_store_ref(qkv, freqs, keys, values, heads: int, kv_heads: int) -> torch.Tensor:
+def rope_store_ref(qkv, freqs, keys, values, heads: int, kv_heads: int, qk_norm: torch.Tensor | None = None,
+                   eps: float = 0.0) -> torch.Tensor:
     """Rotate queries and keys by RoPE, write keys and values into the cache, return the queries.
 
     qkv [n, (heads + 2 kv_heads) * head_dim] holds queries, keys and values,
     each head's dimensions in (x1, x2) pairs (``llama.interleave_rope_rows``);
     freqs [n, head_dim / 2, 2] the (cos, sin) of each pair's angle, times the
     RoPE magnitude. keys and values [n, kv_heads, head_dim] are the cache
-    rows to fill. Rotation is in fp32; queries come back [n, heads, head_dim]
-    in the cache's dtype.
+    rows to fill. ``qk_norm`` [2, head_dim] (Qwen3, in the same pair order):
+    each query head and each key head is RMS-normed with eps and weighted by
+    row 0 (queries) or 1 (keys) before the rotation. Rotation is in fp32;
+    queries come back [n, heads, head_dim] in the cache's dtype.
     """
-    rotated = rope_ref(qkv, freqs, heads, kv_heads, keys.shape[-1])
+    rotated = rope_ref(qkv, freqs, heads, kv_heads, keys.shape[-1], qk_norm, eps)
     keys.copy_(rotated[:, heads:])
     values.copy_(qkv[:, (heads + kv_heads) * keys.shape[-1] :].reshape(values.shape))
     return rotated[:, :heads].to(keys.dtype)
 
 
-def rope_ref(qkv: torch.Tensor, freqs: torch.Tensor, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-    """``rope_store_ref``'s rotation alone: queries then keys [n, heads + kv_heads, head_dim] in fp32."""
+def rope_ref(qkv: torch.Tensor, freqs: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+             qk_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """``rope_store_ref``'s norms and rotation alone: queries then keys [n, heads + kv_heads, head_dim] in fp32."""
     n = qkv.shape[0]
-    rotated = torch.view_as_complex(qkv[:, : (heads + kv_heads) * head_dim].float().reshape(n, heads + kv_heads, -1, 2))
+    x = qkv[:, : (heads + kv_heads) * head_dim].float().reshape(n, heads + kv_heads, head_dim)
+    if qk_norm is not None:
+        weight = torch.cat([qk_norm[:1].expand(heads, head_dim), qk_norm[1:].expand(kv_heads, head_dim)]).float()
+        x = F.rms_norm(x, (head_dim,), None, eps) * weight
+    rotated = torch.view_as_complex(x.reshape(n, heads + kv_heads, -1, 2))
     return torch.view_as_real(rotated * torch.view_as_complex(freqs)[:, None]).reshape(n, heads + kv_heads, head_dim)
 
 
@@ -144,7 +152,7 @@ def native_forward(layers, heads: int, kv_heads: int, eps: float, scale: float, 
         return None
     vectors, parts, types = [], [], []
     for layer in layers:
-        vectors += [layer.attn_norm, layer.ffn_norm, _EMPTY if layer.bqkv is None else layer.bqkv]
+        vectors += [layer.attn_norm, layer.ffn_norm] + [_EMPTY if v is None else v for v in (layer.bqkv, layer.qk_norm)]
         for w in layer.matrices():
             parts.append(list(w.parts))
             types.append([blocks.TYPE_IDS[t] for t in w.types])

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from tornchat.engine import blocks, cuda_graph, fused, quant
 
-FAMILIES = ("llama", "qwen2", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 QUANTIZE = ("none", "bf16", "int8", "int4")
 MATRICES = ("wqkv", "wo", "w13", "w2")  # a Layer's matrices, in the order matrices() gives them
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
@@ -33,6 +33,7 @@ class Layer(NamedTuple):
     ffn_norm: torch.Tensor
     w13: quant.Weight  # gate and up, stacked
     w2: quant.Weight
+    qk_norm: torch.Tensor | None = None  # Qwen3: RMS norm weights of each query and key head [2, head_dim], RoPE pair order
 
     def matrices(self) -> tuple[quant.Weight, ...]:
         return tuple(getattr(self, role) for role in MATRICES)
@@ -100,6 +101,12 @@ def interleave_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, -1, *rest).transpose(1, 2).reshape(weight.shape)
 
 
+def qk_norms(q_norm: torch.Tensor, k_norm: torch.Tensor) -> torch.Tensor:
+    """Qwen3's per-head query and key norm weights (halves order, as transformers has them) as ``Layer.qk_norm``:
+    [2, head_dim] in the RoPE pair order of interleave_rope_rows."""
+    return interleave_rope_rows(torch.stack([q_norm, k_norm]).float().T, 1).T.contiguous()
+
+
 def config_of(config) -> LlamaConfig:
     """The lean forward's config from a transformers config (``unsupported_reason`` None), RoPE frequencies
     and scaling computed by the family's own rotary embedding."""
@@ -131,6 +138,7 @@ def from_transformers(model: torch.nn.Module) -> tuple[LlamaConfig, LlamaWeights
                 interleave_rope_rows(attn.k_proj.bias.detach(), spec.kv_heads),
                 attn.v_proj.bias.detach(),
             ])
+        qk_norm = qk_norms(attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if hasattr(attn, "q_norm") else None
         return Layer(
             attn_norm=block.input_layernorm.weight.detach(),
             wqkv=torch.cat([q, k, attn.v_proj.weight.detach()]),
@@ -139,6 +147,7 @@ def from_transformers(model: torch.nn.Module) -> tuple[LlamaConfig, LlamaWeights
             ffn_norm=block.post_attention_layernorm.weight.detach(),
             w13=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
             w2=mlp.down_proj.weight.detach(),
+            qk_norm=qk_norm,
         )
 
     embed, head = inner.embed_tokens.weight.detach(), model.lm_head.weight.detach()
@@ -351,7 +360,8 @@ class LlamaRunner:
             if layer.bqkv is not None:
                 qkv = qkv + layer.bqkv
             keys, values = cache.kv[i].unbind()  # [capacity, kv_heads, head_dim] each
-            q = ops.rope_store(qkv, freqs, keys[start:end], values[start:end], self.heads, self.kv_heads)
+            q = ops.rope_store(qkv, freqs, keys[start:end], values[start:end], self.heads, self.kv_heads,
+                               layer.qk_norm, self.eps)
             out = sdpa_attend(q, keys, values, start, self.scale, mask)
             x = x + quant.linear(out, layer.wo)
             h = ops.rms_norm(x, layer.ffn_norm, self.eps, quant.input_dtype(layer.w13) == torch.bfloat16)

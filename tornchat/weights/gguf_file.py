@@ -23,12 +23,12 @@ import numpy as np
 import torch
 
 from tornchat.engine import quant
-from tornchat.engine.llama import Layer, LlamaConfig, LlamaWeights, interleave_rope_rows
+from tornchat.engine.llama import Layer, LlamaConfig, LlamaWeights, interleave_rope_rows, qk_norms
 from tornchat.engine import ggml
 
 log = logging.getLogger("tornchat.checkpoint")
 
-ARCHITECTURES = ("llama", "qwen2", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 class UnsupportedFile(Exception):
@@ -209,6 +209,8 @@ def _check_shapes(file: GGUFFile, config: LlamaConfig, layers: int) -> None:
                 "attn_output.weight": (config.hidden, q), "ffn_gate.weight": (ffn, config.hidden),
                 "ffn_up.weight": (ffn, config.hidden), "ffn_down.weight": (config.hidden, ffn),
                 "attn_norm.weight": (1, config.hidden), "ffn_norm.weight": (1, config.hidden)}
+    if file.arch == "qwen3":
+        expected |= {"attn_q_norm.weight": (1, config.head_dim), "attn_k_norm.weight": (1, config.head_dim)}
     for i in range(layers):
         for part, shape in expected.items():
             name = f"blk.{i}.{part}"
@@ -252,8 +254,8 @@ def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[Lla
     file = source if isinstance(source, GGUFFile) else GGUFFile(source)
     config = config_of(file)
     # llama.cpp stores Llama queries and keys with each head's rows in RoPE pairs already (its converter
-    # permutes them); Qwen2 keeps transformers' halves.
-    if file.arch == "qwen2":
+    # permutes them); Qwen2 and Qwen3 keep transformers' halves.
+    if file.arch in ("qwen2", "qwen3"):
         q_rows = lambda raw: interleave_rope_rows(raw, config.heads)  # noqa: E731
         k_rows = lambda raw: interleave_rope_rows(raw, config.kv_heads)  # noqa: E731
     else:
@@ -279,6 +281,9 @@ def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[Lla
             ffn_norm=_vector(file, blk + "ffn_norm.weight", vector_dtype),
             w13=matrix([blk + "ffn_gate.weight", blk + "ffn_up.weight"], [None, None]),
             w2=matrix([blk + "ffn_down.weight"], [None]),
+            qk_norm=qk_norms(_vector(file, blk + "attn_q_norm.weight", torch.float32),
+                             _vector(file, blk + "attn_k_norm.weight", torch.float32)).to(vector_dtype)
+            if blk + "attn_q_norm.weight" in file.tensors else None,
         ))
     _check_type(file, "token_embd.weight")
     if "output.weight" not in file.tensors:  # tied: the head's rows are the embedding

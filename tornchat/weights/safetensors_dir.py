@@ -62,6 +62,8 @@ def load(directory: Path, hf_config, quantize: str) -> tuple[LlamaConfig, LlamaW
             ffn_norm=rows(p + "post_attention_layernorm.weight"),
             w13=pack(torch.cat([rows(p + "mlp.gate_proj.weight"), rows(p + "mlp.up_proj.weight")])),
             w2=pack(rows(p + "mlp.down_proj.weight")),
+            qk_norm=llama.qk_norms(rows(p + "self_attn.q_norm.weight"), rows(p + "self_attn.k_norm.weight"))
+            if p + "self_attn.q_norm.weight" in tensors else None,
         ))
     tied = "lm_head.weight" not in tensors or getattr(hf_config, "tie_word_embeddings", False)
     head = quant.to_blocks(rows("model.embed_tokens.weight" if tied else "lm_head.weight"), quantize, head=True)

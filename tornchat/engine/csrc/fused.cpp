@@ -81,19 +81,29 @@ inline int64_t value_at(int64_t p, int64_t h, int64_t i, int64_t kv_heads, int64
 }
 
 // Rows r = 0 .. rows - 1 are positions start + r; keys and values point at position 0 of a layer's cache.
+// qk_norm: null, or [2, head_dim] weights (queries', keys') of a per-head RMS norm before the rotation (Qwen3).
 template <bool FORWARD, typename In, typename Kv>
-void rope_store_rows(const In* qkv, const float* freqs, Kv* queries, Kv* keys, Kv* values, int64_t rows,
-                     int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+void rope_store_rows(const In* qkv, const float* freqs, const float* qk_norm, float eps, Kv* queries, Kv* keys,
+                     Kv* values, int64_t rows, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim) {
   const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
   at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
+    std::vector<float> x(head_dim);
     for (int64_t r = first; r < last; ++r) {
       const In* row = qkv + r * width;
       const float* f = freqs + r * head_dim;  // (cos, sin) pairs, magnitude included
       const int64_t p = start + r;
       for (int64_t h = 0; h < heads + kv_heads; ++h) {
         const In* src = row + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) x[i] = to_float(src[i]);
+        if (qk_norm) {
+          const float* w = qk_norm + (h < heads ? 0 : head_dim);
+          float squares = 0.f;
+          for (int64_t i = 0; i < head_dim; ++i) squares += x[i] * x[i];
+          const float inv = 1.f / std::sqrt(squares / static_cast<float>(head_dim) + eps);
+          for (int64_t i = 0; i < head_dim; ++i) x[i] = x[i] * inv * w[i];
+        }
         for (int64_t j = 0; j < half; ++j) {
-          const float a = to_float(src[2 * j]), b = to_float(src[2 * j + 1]);
+          const float a = x[2 * j], b = x[2 * j + 1];
           const float c = f[2 * j], s = f[2 * j + 1];
           const float even = a * c - b * s, odd = a * s + b * c;
           if (h < heads) {
@@ -114,17 +124,24 @@ void rope_store_rows(const In* qkv, const float* freqs, Kv* queries, Kv* keys, K
 }
 
 template <bool FORWARD>
-at::Tensor rope_store_at(const at::Tensor& qkv, const at::Tensor& freqs, const at::Tensor& keys,
-                         const at::Tensor& values, int64_t start, int64_t rows, int64_t heads, int64_t kv_heads) {
+at::Tensor rope_store_at(const at::Tensor& qkv, const at::Tensor& freqs, const at::Tensor& qk_norm, double eps,
+                         const at::Tensor& keys, const at::Tensor& values, int64_t start, int64_t rows, int64_t heads,
+                         int64_t kv_heads) {
   const int64_t head_dim = keys.size(-1);
   auto queries = at::empty({rows, heads, head_dim}, keys.options());
   const bool in_bf16 = qkv.scalar_type() == at::kBFloat16, kv_bf16 = keys.scalar_type() == at::kBFloat16;
   TORCH_CHECK(in_bf16 || qkv.scalar_type() == at::kFloat, "qkv must be fp32 or bf16");
   TORCH_CHECK(kv_bf16 || keys.scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
+  const float* norm = nullptr;
+  if (qk_norm.numel()) {
+    check_cpu_contiguous(qk_norm, "qk_norm");
+    TORCH_CHECK(qk_norm.scalar_type() == at::kFloat && qk_norm.numel() == 2 * head_dim, "qk_norm must be fp32 [2, head_dim]");
+    norm = qk_norm.data_ptr<float>();
+  }
   const float* f = freqs.data_ptr<float>();
-#define ROPE(IN, KV)                                                                                                 \
-  rope_store_rows<FORWARD>(qkv.data_ptr<IN>(), f, queries.data_ptr<KV>(), keys.data_ptr<KV>(), values.data_ptr<KV>(), \
-                           rows, start, heads, kv_heads, head_dim)
+#define ROPE(IN, KV)                                                                                                \
+  rope_store_rows<FORWARD>(qkv.data_ptr<IN>(), f, norm, float(eps), queries.data_ptr<KV>(), keys.data_ptr<KV>(),     \
+                           values.data_ptr<KV>(), rows, start, heads, kv_heads, head_dim)
   if (in_bf16 && kv_bf16) ROPE(BFloat16, BFloat16);
   else if (in_bf16) ROPE(BFloat16, float);
   else if (kv_bf16) ROPE(float, BFloat16);
@@ -134,11 +151,11 @@ at::Tensor rope_store_at(const at::Tensor& qkv, const at::Tensor& freqs, const a
 }
 
 // qkv [rows, (heads + 2 kv_heads) * head_dim] (fp32 or bf16), freqs [rows, head_dim / 2, 2] fp32,
-// keys and values [rows, kv_heads, head_dim] views into the cache (fp32 or bf16, both alike), the standard layout.
-// Rotates queries and keys, writes keys and values into the cache; returns queries [rows, heads, head_dim]
-// in the cache's dtype.
+// keys and values [rows, kv_heads, head_dim] views into the cache (fp32 or bf16, both alike), the standard layout;
+// qk_norm None or fp32 [2, head_dim] (rope_store_rows). Rotates queries and keys, writes keys and values into the
+// cache; returns queries [rows, heads, head_dim] in the cache's dtype.
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor keys, at::Tensor values,
-                      int64_t heads, int64_t kv_heads) {
+                      int64_t heads, int64_t kv_heads, const std::optional<at::Tensor>& qk_norm, double eps) {
   check_cpu_contiguous(qkv, "qkv");
   check_cpu_contiguous(freqs, "freqs");
   check_cpu_contiguous(keys, "keys");
@@ -148,7 +165,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor
   TORCH_CHECK(freqs.scalar_type() == at::kFloat && freqs.numel() == rows * head_dim, "freqs must be fp32 [rows, head_dim / 2, 2]");
   TORCH_CHECK(keys.numel() == rows * kv_heads * head_dim && values.sizes() == keys.sizes(), "keys and values must be [rows, kv_heads, head_dim]");
   TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values must share a dtype");
-  return rope_store_at<false>(qkv, freqs, keys, values, 0, rows, heads, kv_heads);
+  return rope_store_at<false>(qkv, freqs, qk_norm.value_or(at::Tensor()), eps, keys, values, 0, rows, heads, kv_heads);
 }
 
 template <typename T>
@@ -420,7 +437,7 @@ struct Linear {
 };
 
 struct Layer {
-  at::Tensor attn_norm, ffn_norm, bqkv;  // bqkv: empty where the model has no q/k/v biases
+  at::Tensor attn_norm, ffn_norm, bqkv, qk_norm;  // bqkv, qk_norm: empty where the model has none
   Linear wqkv, wo, w13, w2;
 };
 
@@ -431,17 +448,18 @@ struct Layer {
 // (attend), and every other operation, the block kernels included, computes a row by itself.
 class Forward {
  public:
-  // Per layer: vectors attn_norm, ffn_norm, bqkv (or empty); the parts and GGML types of wqkv, wo, w13, w2.
+  // Per layer: vectors attn_norm, ffn_norm, bqkv and qk_norm (or empty); the parts and GGML types of wqkv, wo,
+  // w13, w2.
   // isa: the block kernels' path, one of block_isas().
   Forward(const std::vector<at::Tensor>& vectors, const std::vector<std::vector<at::Tensor>>& parts,
           const std::vector<std::vector<int64_t>>& types, int64_t heads, int64_t kv_heads, double eps, double scale,
           const std::string& isa)
       : heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale) {
-    TORCH_CHECK(vectors.size() % 3 == 0 && parts.size() == vectors.size() / 3 * 4 && types.size() == parts.size(),
-                "3 vectors and 4 matrices per layer");
-    for (size_t i = 0; i < vectors.size() / 3; ++i) {
+    TORCH_CHECK(vectors.size() % 4 == 0 && parts.size() == vectors.size() && types.size() == parts.size(),
+                "4 vectors and 4 matrices per layer");
+    for (size_t i = 0; i < vectors.size() / 4; ++i) {
       const auto linear = [&](size_t m) { return Linear{parts[4 * i + m], types[4 * i + m], isa}; };
-      layers_.push_back(Layer{vectors[3 * i], vectors[3 * i + 1], vectors[3 * i + 2], linear(0), linear(1), linear(2),
+      layers_.push_back(Layer{vectors[4 * i], vectors[4 * i + 1], vectors[4 * i + 2], vectors[4 * i + 3], linear(0), linear(1), linear(2),
                               linear(3)});
     }
   }
@@ -458,7 +476,7 @@ class Forward {
       auto qkv = layer.wqkv(rms_norm(x, layer.attn_norm, eps_, false));
       if (layer.bqkv.numel()) qkv = qkv + layer.bqkv;
       const auto keys = kv.select(0, i).select(0, 0), values = kv.select(0, i).select(0, 1);
-      auto q = rope_store_at<true>(qkv.contiguous(), freqs, keys, values, start, n, heads_, kv_heads_);
+      auto q = rope_store_at<true>(qkv.contiguous(), freqs, layer.qk_norm, eps_, keys, values, start, n, heads_, kv_heads_);
       x = x + layer.wo(attend(q, keys, values, start, scale_));
       x = x + layer.w2(silu_mul(layer.w13(rms_norm(x, layer.ffn_norm, eps_, false))));
     }
@@ -475,7 +493,10 @@ class Forward {
 
 PYBIND11_MODULE(_fused, m) {
   m.def("rms_norm", &rms_norm, "RMS norm of fp32 rows, out in fp32 or bf16");
-  m.def("rope_store", &rope_store, "RoPE on queries and keys; keys and values written into the cache");
+  m.def("rope_store", &rope_store, "RoPE on queries and keys (RMS-normed per head first with qk_norm); keys and values "
+        "written into the cache", pybind11::arg("qkv"), pybind11::arg("freqs"), pybind11::arg("keys"),
+        pybind11::arg("values"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("qk_norm") = pybind11::none(),
+        pybind11::arg("eps") = 0.0);
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("attend", &attend, "causal attention of n rows over a cache in the forward's layout, each row as if alone");
   tornchat::define_blocks(m);
