@@ -10,6 +10,11 @@ a second turn through each agent API (the first turn's reply and a new user
 message appended): its cached prompt tokens against its prompt's length.
 
     python bench/agents_apis.py [--tokens 64] [--rounds 3]
+
+Medians over the rounds, with each figure's range, and each agent API's
+difference from chat completions in percent: the median over rounds of its
+figure over chat's in the same round (paired, so that a machine whose load
+changes between rounds still compares like with like).
 """
 import argparse
 import json
@@ -86,7 +91,12 @@ def run(server, api: str, path: str, body: dict) -> dict:
 
 
 def second_turn(server, tokens: int) -> dict:
-    """The agent APIs' next turn: cached prompt tokens against the prompt's length."""
+    """The agent APIs' next turn: cached prompt tokens against the prompt's length.
+
+    Each API's conversation is its own (the Messages one asks about a cat),
+    so that what its second turn finds in a slot is its own first turn, not
+    the other API's second: all of it but the last token generated, which
+    was sampled and never fed to the model."""
     found = {}
     first = servers.request(server.url, "POST", "/v1/responses", {**bodies(tokens)["responses"][1], "stream": False}).json()
     reply = first["output"][0]["content"][0]["text"]
@@ -95,11 +105,13 @@ def second_turn(server, tokens: int) -> dict:
         "input": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter, please."}],
     }).json()["usage"]
     found["responses"] = {"prompt_tokens": second["input_tokens"], "cached_tokens": second["input_tokens_details"]["cached_tokens"]}
-    first = servers.request(server.url, "POST", "/v1/messages", {**bodies(tokens)["messages"][1], "stream": False}).json()
+    question = QUESTION.replace("dragon", "cat")
+    first = servers.request(server.url, "POST", "/v1/messages", {
+        **bodies(tokens)["messages"][1], "stream": False, "messages": [{"role": "user", "content": question}]}).json()
     reply = first["content"][0]["text"]
     second = servers.request(server.url, "POST", "/v1/messages", {
         "model": "m", "temperature": 0, "max_tokens": 4,
-        "messages": [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter, please."}],
+        "messages": [{"role": "user", "content": question}, {"role": "assistant", "content": reply}, {"role": "user", "content": "Shorter, please."}],
     }).json()["usage"]
     found["messages"] = {"prompt_tokens": second["input_tokens"] + second["cache_read_input_tokens"], "cached_tokens": second["cache_read_input_tokens"]}
     return found
@@ -123,6 +135,13 @@ def main() -> None:
                 results[api].append(result)
         summary = {api: {key: round(statistics.median(r[key] for r in runs), 1) for key in ("ttft_ms", "decode_tps")}
                    for api, runs in results.items()}
+        for api, runs in results.items():  # the spread, to tell a difference from a busy machine's noise
+            summary[api].update({f"{key}_range": [round(min(r[key] for r in runs), 1), round(max(r[key] for r in runs), 1)]
+                                 for key in ("ttft_ms", "decode_tps")})
+            if api != "chat":  # paired: each round's figure against chat's in the same round, a few seconds apart
+                summary[api]["vs_chat_pct"] = {
+                    key: round(100 * (statistics.median(r[key] / c[key] for r, c in zip(runs, results["chat"])) - 1), 1)
+                    for key in ("ttft_ms", "decode_tps")}
         summary["same_text"] = len(set(texts.values())) == 1
         summary["second_turn"] = second_turn(server, args.tokens)
         print(json.dumps(summary, indent=2))

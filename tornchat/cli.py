@@ -39,6 +39,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, help="requests allowed to wait; beyond that 503 (default 16)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 4 MiB)")
     p.add_argument("--max-messages", type=int, help="most messages in one request (default 1024)")
+    p.add_argument("--max-tokens-default", type=int, metavar="N",
+                   help="new tokens at most in a chat completion or a response whose request sets no max_tokens / "
+                        "max_output_tokens (default: until the model stops or the context is full)")
+    p.add_argument("--temperature-default", type=float, metavar="T",
+                   help="temperature of a request that sets none, on every endpoint (default 1.0; below 0.01: greedy)")
     p.add_argument("--responses-store", type=int,
                    help="responses kept in memory for /v1/responses' previous_response_id; 0: none (default 256)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")

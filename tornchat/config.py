@@ -22,6 +22,8 @@ class Config:
     max_queue: int = 16  # requests waiting behind the running one; beyond: 503
     max_body_bytes: int = 4 * 1024 * 1024
     max_messages: int = 1024
+    max_tokens_default: int | None = None  # a chat-shaped reply's cap where the request gives none; None: the context
+    temperature_default: float | None = None  # the temperature where a request gives none; None: 1.0 (OpenAI's, Anthropic's)
     responses_store: int = 256  # /v1/responses kept in memory for previous_response_id (oldest dropped first); 0: none
     api_key: str | None = None  # Bearer token clients must send
     api_auth: str | None = None  # "user:password" for HTTP Basic
@@ -64,4 +66,9 @@ def build(file: str | None, overrides: dict) -> Config:
     for f in dataclasses.fields(Config):
         if f.type is bool and f.name in values and not isinstance(values[f.name], bool):
             raise ValueError(f"{f.name} is {values[f.name]!r}; expected true or false")
+    if values.get("max_tokens_default") is not None and not (isinstance(values["max_tokens_default"], int) and values["max_tokens_default"] >= 1):
+        raise ValueError(f"max_tokens_default is {values['max_tokens_default']!r}; expected a whole number of tokens, at least 1")
+    temperature = values.get("temperature_default")
+    if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2):
+        raise ValueError(f"temperature_default is {temperature!r}; expected a number from 0 to 2")
     return Config(**values)

@@ -177,7 +177,10 @@ class GenerationHandler(BaseHandler):
     def body(self) -> dict:
         if self.body_size > self.config.max_body_bytes:
             raise self._too_large(self.body_size)
-        return validate.parse_body(b"".join(self.chunks))
+        data = validate.parse_body(b"".join(self.chunks))
+        if data.get("temperature") is None and self.config.temperature_default is not None:
+            data["temperature"] = self.config.temperature_default  # the server's default; every API reads this key
+        return data
 
     @property
     def vocab_size(self) -> int:
@@ -231,7 +234,7 @@ class GenerationHandler(BaseHandler):
         generation = GenerationRequest(
             prompt_ids=prompt.encode(tokenizer, plan.prompt),
             sampling=request.sampling,
-            max_tokens=request.max_tokens,
+            max_tokens=request.max_tokens if request.max_tokens is not None else self.config.max_tokens_default,
             max_length=request.max_length,
             stop=request.stop + plan.stops,
             logprobs=request.logprobs,
