@@ -22,8 +22,10 @@ what it writes.
     python bench/make_gguf.py 135m --layers 4 --name tiny --out /tmp
 
 Prints the path of each file it wrote. Presets: 135m (the embedded model's
-shape), 1b (Llama-3.2-1B-like), 3b (Llama-3.2-3B-like); --layers, --hidden,
---ffn, --heads, --kv-heads, --context-length and --rope-theta override them.
+shape), 1b (Llama-3.2-1B-like), 3b (Llama-3.2-3B-like), qwen3-0.6b and
+qwen3-4b (Qwen3's shapes: architecture qwen3, per-head q/k norms, head_dim
+128; still the embedded model's tokenizer); --layers, --hidden, --ffn,
+--heads, --kv-heads, --context-length and --rope-theta override them.
 """
 import argparse
 import ctypes
@@ -50,16 +52,22 @@ class Shape:
     context_length: int = 8192
     rope_theta: float = 100000.0
     rms_eps: float = 1e-5
+    arch: str = "llama"  # or "qwen3": per-head q/k norms
+    key_length: int | None = None  # head_dim where heads * head_dim is not hidden (Qwen3)
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.key_length or self.hidden // self.heads
 
 
 PRESETS = {
     "135m": Shape(layers=30, hidden=576, ffn=1536, heads=9, kv_heads=3),
     "1b": Shape(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8),
     "3b": Shape(layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8),
+    "qwen3-0.6b": Shape(layers=28, hidden=1024, ffn=3072, heads=16, kv_heads=8, context_length=40960,
+                        rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3", key_length=128),
+    "qwen3-4b": Shape(layers=36, hidden=2560, ffn=9728, heads=32, kv_heads=8, context_length=40960,
+                      rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3", key_length=128),
 }
 # Shape fields a command-line flag of the same name (--kv-heads for kv_heads) overrides.
 OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "context_length", "rope_theta")
@@ -87,6 +95,8 @@ def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
             (f"blk.{n}.attn_q.weight", (q_dim, shape.hidden)),
             (f"blk.{n}.attn_k.weight", (kv_dim, shape.hidden)),
             (f"blk.{n}.attn_v.weight", (kv_dim, shape.hidden)),
+            *([(f"blk.{n}.attn_q_norm.weight", (shape.head_dim,)), (f"blk.{n}.attn_k_norm.weight", (shape.head_dim,))]
+              if shape.arch == "qwen3" else []),
             (f"blk.{n}.attn_output.weight", (shape.hidden, q_dim)),
             (f"blk.{n}.ffn_norm.weight", (shape.hidden,)),
             (f"blk.{n}.ffn_gate.weight", (shape.ffn, shape.hidden)),
@@ -100,7 +110,7 @@ def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
 def write_f16(path: Path, name: str, shape: Shape, source: Path, seed: int, std: float) -> None:
     reader = gguf.GGUFReader(source)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, shape.arch)
     writer.add_name(name)
     writer.add_description(f"random weights (seed {seed}, std {std}) with {source.name}'s tokenizer, for benchmarks")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -114,6 +124,9 @@ def write_f16(path: Path, name: str, shape: Shape, source: Path, seed: int, std:
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_vocab_size(vocab)
     writer.add_rope_dimension_count(shape.head_dim)
+    if shape.key_length:
+        writer.add_key_length(shape.key_length)
+        writer.add_value_length(shape.key_length)
     for key, value, vtype, sub_type in tokenizer_fields(reader):
         writer.add_key_value(key, value, vtype, sub_type)
     del reader
@@ -163,7 +176,7 @@ def parse_shape(args: argparse.Namespace) -> Shape:
         PRESETS[args.preset],
         **{field: getattr(args, field) for field in OVERRIDES if getattr(args, field) is not None},
     )
-    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+    if (shape.hidden % shape.heads and not shape.key_length) or shape.heads % shape.kv_heads:
         raise SystemExit(
             f"--hidden ({shape.hidden}) must divide by --heads ({shape.heads}),"
             f" and --heads by --kv-heads ({shape.kv_heads})"
@@ -195,7 +208,7 @@ def main() -> None:
     parser.add_argument("--quantizer", type=Path, help="llama.cpp's llama-quantize binary (default: llama-cpp-python's)")
     args = parser.parse_args()
     shape = parse_shape(args)
-    name = args.name or f"random-llama-{args.preset}"
+    name = args.name or (f"random-{args.preset}" if shape.arch != "llama" else f"random-llama-{args.preset}")
     args.out.mkdir(parents=True, exist_ok=True)
     f16_path = args.out / f"{name}-F16.gguf"
 
