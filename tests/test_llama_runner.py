@@ -246,3 +246,38 @@ def test_quantized_greedy_and_perplexity_track_fp32(smol, smol_lean, quantize):
     ids = smol.tokenizer(open(__file__).read()[:2000])["input_ids"][:160]
     rise = decode_nll(packed, ids) / decode_nll(smol_lean, ids) - 1
     assert rise < {"int8": 0.01, "int4": 0.05}[quantize]
+
+
+@pytest.mark.parametrize("isa", blocks.isas())
+def test_sequences_batched_together_get_what_each_gets_alone(tiny_model, isa):
+    """Several generations' rows in one forward (a prefill chunk, a step, a verify side by side, at different
+    positions of their own caches): each sequence's logits and cache are the bits it gets alone."""
+    runner = lean(tiny_model, "int4", isa=isa)
+    prompts = [list(range(100, 140)), list(range(300, 307)), list(range(500, 519))]
+    alone, caches = [], []
+    for prompt in prompts:
+        cache = runner.new_cache()
+        runner.forward(prompt, cache)
+        caches.append(cache)
+        forked = runner.fork(cache, cache.length)
+        alone.append([runner.forward([7], forked, decode=True)[None], runner.verify([8, 9, 10], forked),
+                      runner.forward(list(range(600, 620)), forked)[None], runner.positions(forked)])
+    steps = [([7], False), ([7], False), ([7], False)]
+    first = runner.forward_many([(ids, cache, every) for (ids, every), cache in zip(steps, caches)])
+    second = runner.forward_many([([8, 9, 10], caches[0], True), ([8, 9, 10], caches[1], True), ([8, 9, 10], caches[2], True)])
+    third = runner.forward_many([(list(range(600, 620)), cache, False) for cache in caches])
+    for i, cache in enumerate(caches):
+        assert torch.equal(first[i], alone[i][0]) and torch.equal(second[i], alone[i][1])
+        assert torch.equal(third[i], alone[i][2]) and torch.equal(runner.positions(cache), alone[i][3])
+    # Mixed in one call: a verify, a prefill chunk and a step, each against the same call made alone.
+    calls = [([8, 9, 10], True), (list(range(600, 620)), False), ([8], False)]
+    expected = []
+    for (ids, every), prompt in zip(calls, prompts):
+        cache = runner.new_cache()
+        runner.forward(prompt, cache)
+        expected.append(runner.verify(ids, cache) if every else runner.forward(ids, cache)[None])
+    mixed = [runner.new_cache() for _ in prompts]
+    runner.forward_many([(prompt, cache, False) for prompt, cache in zip(prompts, mixed)])
+    got = runner.forward_many([(ids, cache, every) for (ids, every), cache in zip(calls, mixed)])
+    assert [g.shape[0] for g in got] == [3, 1, 1]
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))

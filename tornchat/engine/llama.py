@@ -332,17 +332,42 @@ class LlamaRunner:
             return self.head.mm(h, self.isa)
         return quant.linear(h, self.head).float()
 
+    @torch.inference_mode()
+    def forward_many(self, batch: list[tuple[list[int], KVCache, bool]]) -> list[torch.Tensor]:
+        """Several sequences' rows in one forward, each (token_ids, cache, every) with its own cache: fp32 logits
+        [n, V] of every row where ``every`` (a verify's), else [1, V] of the last (a step's, a prefill
+        chunk's). Each sequence gets bit for bit what ``verify`` / ``forward`` give it alone: the C++ forward
+        computes every row by itself (rows of one sequence meet only in its own attention). Without it, those
+        calls one after another."""
+        if self.step is None:
+            return [self.verify(ids, cache) if every else self.forward(ids, cache, decode=len(ids) == 1)[None]
+                    for ids, cache, every in batch]
+        hidden = self._hidden_many([(ids, cache) for ids, cache, _ in batch]).split([len(ids) for ids, _, _ in batch])
+        kept = [h if every else h[-1:] for h, (_, _, every) in zip(hidden, batch)]
+        return list(self._logits(torch.cat(kept)).split([len(k) for k in kept]))
+
     def _hidden(self, token_ids: list[int], cache: KVCache) -> torch.Tensor:
         """Run token_ids through the layers, appending to cache: the residual stream [n, hidden] after them."""
+        if self.step is not None:
+            return self._hidden_many([(token_ids, cache)])
         n, start = len(token_ids), cache.length
         self._reserve(cache, start + n)
-        ids = torch.tensor(token_ids, device=self.device)
-        x = quant.dequantize(self.weights.embed, self.dtype, ids)
-        if self.step is not None:
-            x = self.step.forward(x, cache.kv, self.rope[start : start + n], start)  # _layers in one C++ call
-        else:
-            x = self._layers(x, cache, start)
+        x = quant.dequantize(self.weights.embed, self.dtype, torch.tensor(token_ids, device=self.device))
+        x = self._layers(x, cache, start)
         cache.length = start + n
+        return x
+
+    def _hidden_many(self, batch: list[tuple[list[int], KVCache]]) -> torch.Tensor:
+        """``_hidden`` of several sequences (distinct caches) in one C++ forward: their rows one after another."""
+        starts, counts = [cache.length for _, cache in batch], [len(ids) for ids, _ in batch]
+        for (_, cache), start, n in zip(batch, starts, counts):
+            self._reserve(cache, start + n)
+        ids = torch.tensor([t for token_ids, _ in batch for t in token_ids], device=self.device)
+        x = quant.dequantize(self.weights.embed, self.dtype, ids)
+        freqs = torch.cat([self.rope[start : start + n] for start, n in zip(starts, counts)])
+        x = self.step.forward(x, [cache.kv for _, cache in batch], freqs, starts, counts)  # _layers in one C++ call
+        for (_, cache), n in zip(batch, counts):
+            cache.length += n
         return x
 
     def _layers(self, x: torch.Tensor, cache: KVCache, start: int, exact: bool = False) -> torch.Tensor:

@@ -385,46 +385,70 @@ void attend_tiles_bf16(const Query* queries, int64_t count, const BFloat16* keys
   attend_tiles(queries, count, keys, values, h, kv_heads, d, scale, scores);
 }
 
-// q [n, heads, head_dim] (fp32 or bf16), keys and values one layer's cache [capacity, kv_heads, head_dim] (fp32
-// or bf16, in the forward's layout: key_at, value_at) holding positions 0 .. start + n - 1. Returns fp32 [n, heads * head_dim]: row r
-// attended over positions 0 .. start + r, softmax(scale * q . k) v, as fused.attend_ref computes it.
-at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale) {
+// Rows of several sequences in one call (a batch of generations): sequence s has counts[s] consecutive rows of q
+// at positions starts[s] .. over its own cache, keys[s] and values[s] (one layer's, in the forward's layout:
+// key_at, value_at, [capacity, kv_heads, head_dim], fp32 or bf16 alike). q [rows, heads, head_dim] (fp32 or bf16).
+// Returns fp32 [rows, heads * head_dim]: each row attended over its sequence's positions up to its own,
+// softmax(scale * q . k) v, as fused.attend_ref computes it, the same bits whatever else is in the call.
+at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+                       const std::vector<int64_t>& starts, const std::vector<int64_t>& counts, double scale) {
   RECORD_FUNCTION("tornchat::attend", std::vector<c10::IValue>());  // for torch.profiler (bench/decode_speed.py)
-  check_cpu_contiguous(keys, "keys");
-  check_cpu_contiguous(values, "values");
-  TORCH_CHECK(keys.scalar_type() == values.scalar_type() && keys.sizes() == values.sizes(), "keys and values must match");
-  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16, "the cache must be fp32 or bf16");
+  const size_t seqs = keys.size();
+  TORCH_CHECK(values.size() == seqs && starts.size() == seqs && counts.size() == seqs, "one cache, start and count per sequence");
   const auto queries = q.to(at::kFloat).contiguous();
-  const int64_t n = queries.size(0), heads = queries.size(1), d = queries.size(2), kv_heads = keys.size(1);
-  const int64_t capacity = keys.size(0), groups = heads / kv_heads;
-  TORCH_CHECK(keys.size(2) == d && heads % kv_heads == 0 && start + n <= capacity, "q does not fit the cache");
-  TORCH_CHECK(capacity % KEY_BLOCK == 0, "the cache's capacity must be a multiple of 16 positions");
+  const int64_t rows = queries.size(0), heads = queries.size(1), d = queries.size(2);
+  TORCH_CHECK(seqs > 0, "no sequence");
+  const int64_t kv_heads = keys[0].size(1), groups = heads / kv_heads;
+  const bool bf16 = keys[0].scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || keys[0].scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
+  TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(d % LANES == 0 && d <= 16 * LANES, "head_dim must be a multiple of 16, at most 256");
-  auto out = at::empty({n, heads * d}, queries.options());
+  // Each sequence's KV heads' queries, (row, grouped head) in order, in tiles of TILE: a step's grouped heads
+  // share a tile, a chunk's neighbouring rows too. A query's bits do not depend on its tile.
+  std::vector<int64_t> first_row(seqs), tiles(seqs), first_tile(seqs + 1, 0);
+  int64_t longest = 0;
+  for (size_t s = 0; s < seqs; ++s) {
+    check_cpu_contiguous(keys[s], "keys");
+    check_cpu_contiguous(values[s], "values");
+    TORCH_CHECK(keys[s].scalar_type() == keys[0].scalar_type() && values[s].scalar_type() == keys[0].scalar_type() &&
+                keys[s].sizes() == values[s].sizes(), "every cache's keys and values must share a dtype and shape");
+    TORCH_CHECK(keys[s].size(1) == kv_heads && keys[s].size(2) == d && starts[s] + counts[s] <= keys[s].size(0),
+                "q does not fit the cache");
+    TORCH_CHECK(keys[s].size(0) % KEY_BLOCK == 0, "the cache's capacity must be a multiple of 16 positions");
+    first_row[s] = s ? first_row[s - 1] + counts[s - 1] : 0;
+    tiles[s] = (counts[s] * groups + TILE - 1) / TILE;
+    first_tile[s + 1] = first_tile[s] + kv_heads * tiles[s];
+    longest = std::max(longest, starts[s] + counts[s]);
+  }
+  TORCH_CHECK(first_row[seqs - 1] + counts[seqs - 1] == rows, "the counts must add up to q's rows");
+  auto out = at::empty({rows, heads * d}, queries.options());
   const float* qp = queries.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const bool bf16 = keys.scalar_type() == at::kBFloat16;
-  // Each KV head's queries, (row, grouped head) in order, in tiles of TILE: a step's grouped heads share a
-  // tile, a chunk's neighbouring rows too. A query's bits do not depend on its tile.
-  const int64_t per_head = n * groups, tiles = (per_head + TILE - 1) / TILE;
-  at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(TILE * ((start + n + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK));
+  at::parallel_for(0, first_tile[seqs], 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scores(TILE * ((longest + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK));
     for (int64_t t = first; t < last; ++t) {
-      const int64_t h = t / tiles, m0 = t % tiles * TILE, count = std::min<int64_t>(TILE, per_head - m0);
+      const int64_t s = std::upper_bound(first_tile.begin(), first_tile.end(), t) - first_tile.begin() - 1;
+      const int64_t local = t - first_tile[s], h = local / tiles[s], m0 = local % tiles[s] * TILE;
+      const int64_t count = std::min<int64_t>(TILE, counts[s] * groups - m0);
       Query tile[TILE];
       for (int64_t m = 0; m < count; ++m) {
-        const int64_t r = (m0 + m) / groups, head = h * groups + (m0 + m) % groups;
-        tile[m] = Query{qp + (r * heads + head) * d, op + (r * heads + head) * d, start + r + 1};
+        const int64_t r = (m0 + m) / groups, head = h * groups + (m0 + m) % groups, row = first_row[s] + r;
+        tile[m] = Query{qp + (row * heads + head) * d, op + (row * heads + head) * d, starts[s] + r + 1};
       }
       if (bf16)
-        attend_tiles_bf16(tile, count, keys.data_ptr<BFloat16>() + h * d * KEY_BLOCK, values.data_ptr<BFloat16>(), h,
-                          kv_heads, d, float(scale), scores.data());
+        attend_tiles_bf16(tile, count, keys[s].data_ptr<BFloat16>() + h * d * KEY_BLOCK, values[s].data_ptr<BFloat16>(),
+                          h, kv_heads, d, float(scale), scores.data());
       else
-        attend_tiles_fp32(tile, count, keys.data_ptr<float>() + h * d * KEY_BLOCK, values.data_ptr<float>(), h,
+        attend_tiles_fp32(tile, count, keys[s].data_ptr<float>() + h * d * KEY_BLOCK, values[s].data_ptr<float>(), h,
                           kv_heads, d, float(scale), scores.data());
     }
   });
   return out;
+}
+
+// One sequence: q [n, heads, head_dim] at positions start .. over keys and values (attend_many).
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale) {
+  return attend_many(q, {keys}, {values}, {start}, {q.size(0)}, scale);
 }
 
 // A projection: its weights' parts in their GGML types (blocks.h), each row computed as if alone.
@@ -464,20 +488,35 @@ class Forward {
     }
   }
 
-  // x [n, hidden] fp32, the tokens' embeddings; kv [layers, 2, capacity, kv_heads, head_dim], freqs
-  // [n, head_dim / 2, 2] of positions start..start + n - 1. Writes the tokens' keys and values there;
-  // returns x after the layers.
-  at::Tensor forward(at::Tensor x, const at::Tensor& kv, const at::Tensor& freqs, int64_t start) const {
-    const int64_t n = x.size(0);
-    TORCH_CHECK(kv.size(0) == static_cast<int64_t>(layers_.size()) && start + n <= kv.size(2) && freqs.size(0) == n,
-                "the cache does not fit this step");
+  // x [rows, hidden] fp32, the tokens' embeddings: sequence s's counts[s] rows, one after another, at positions
+  // starts[s] .. of its cache kvs[s] [layers, 2, capacity, kv_heads, head_dim]; freqs [rows, head_dim / 2, 2]
+  // of each row's position. Writes the tokens' keys and values into their caches; returns x after the layers.
+  // Rows meet only in the matrix products, which compute each row by itself: a sequence gets the same bits
+  // batched with others as alone.
+  at::Tensor forward(at::Tensor x, const std::vector<at::Tensor>& kvs, const at::Tensor& freqs,
+                     const std::vector<int64_t>& starts, const std::vector<int64_t>& counts) const {
+    const size_t seqs = kvs.size();
+    TORCH_CHECK(seqs > 0 && starts.size() == seqs && counts.size() == seqs, "one cache, start and count per sequence");
+    int64_t total = 0;
+    for (size_t s = 0; s < seqs; ++s) {
+      TORCH_CHECK(kvs[s].size(0) == static_cast<int64_t>(layers_.size()) && starts[s] + counts[s] <= kvs[s].size(2),
+                  "the cache does not fit this step");
+      total += counts[s];
+    }
+    TORCH_CHECK(x.size(0) == total && freqs.size(0) == total, "x and freqs must have the sequences' rows");
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       auto qkv = layer.wqkv(rms_norm(x, layer.attn_norm, eps_, false));
       if (layer.bqkv.numel()) qkv = qkv + layer.bqkv;
-      const auto keys = kv.select(0, i).select(0, 0), values = kv.select(0, i).select(0, 1);
-      auto q = rope_store_at<true>(qkv.contiguous(), freqs, layer.qk_norm, eps_, keys, values, start, n, heads_, kv_heads_);
-      x = x + layer.wo(attend(q, keys, values, start, scale_));
+      qkv = qkv.contiguous();
+      std::vector<at::Tensor> keys(seqs), values(seqs), queries(seqs);
+      for (size_t s = 0, row = 0; s < seqs; row += counts[s], ++s) {
+        keys[s] = kvs[s].select(0, i).select(0, 0), values[s] = kvs[s].select(0, i).select(0, 1);
+        queries[s] = rope_store_at<true>(qkv.narrow(0, row, counts[s]), freqs.narrow(0, row, counts[s]), layer.qk_norm,
+                                         eps_, keys[s], values[s], starts[s], counts[s], heads_, kv_heads_);
+      }
+      const auto q = seqs == 1 ? queries[0] : at::cat(queries);
+      x = x + layer.wo(attend_many(q, keys, values, starts, counts, scale_));
       x = x + layer.w2(silu_mul(layer.w13(rms_norm(x, layer.ffn_norm, eps_, false))));
     }
     return x;
