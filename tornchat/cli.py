@@ -39,6 +39,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, help="requests allowed to wait; beyond that 503 (default 16)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 4 MiB)")
     p.add_argument("--max-messages", type=int, help="most messages in one request (default 1024)")
+    p.add_argument("--reasoning", choices=config_module.CHOICES["reasoning"],
+                   help="thinking models (a chat template with <think>): on returns the thinking apart as "
+                        "reasoning_content; off renders the template with enable_thinking=false; a request may "
+                        "choose either (default on)")
+    p.add_argument("--reasoning-budget", type=int,
+                   help="most thinking tokens per reply: past them the server closes the thinking (</think>) and the "
+                        "model answers; a request's reasoning_budget may only lower it (default: no cap)")
     p.add_argument("--responses-store", type=int,
                    help="responses kept in memory for /v1/responses' previous_response_id; 0: none (default 256)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")

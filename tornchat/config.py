@@ -22,6 +22,8 @@ class Config:
     max_queue: int = 16  # requests waiting behind the running one; beyond: 503
     max_body_bytes: int = 4 * 1024 * 1024
     max_messages: int = 1024
+    reasoning: str = "on"  # on | off: a thinking template's <think> by default (a request may say otherwise)
+    reasoning_budget: int | None = None  # thinking tokens allowed before the decode loop closes the thinking; None: no cap
     responses_store: int = 256  # /v1/responses kept in memory for previous_response_id (oldest dropped first); 0: none
     api_key: str | None = None  # Bearer token clients must send
     api_auth: str | None = None  # "user:password" for HTTP Basic
@@ -38,6 +40,7 @@ CHOICES = {
     "model_impl": ("auto", "hf", "lean"),
     "quantize": ("auto", "none", "bf16", "int8", "int4"),
     "speculate": ("auto", "lookup", "none"),
+    "reasoning": ("on", "off"),
     "log_level": ("debug", "info", "warning", "error"),
     "log_format": ("text", "json"),
 }
@@ -58,10 +61,15 @@ def load_yaml(path: str) -> dict:
 def build(file: str | None, overrides: dict) -> Config:
     values = load_yaml(file) if file else {}
     values.update({key: value for key, value in overrides.items() if value is not None})
+    if isinstance(values.get("reasoning"), bool):  # YAML 1.1 reads a bare on / off as a boolean
+        values["reasoning"] = "on" if values["reasoning"] else "off"
     for key, allowed in CHOICES.items():
         if key in values and values[key] not in allowed:
             raise ValueError(f"{key} is {values[key]!r}; expected one of {', '.join(allowed)}")
     for f in dataclasses.fields(Config):
         if f.type is bool and f.name in values and not isinstance(values[f.name], bool):
             raise ValueError(f"{f.name} is {values[f.name]!r}; expected true or false")
+    budget = values.get("reasoning_budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ValueError(f"reasoning_budget is {budget!r}; expected a whole number of tokens, 0 or more")
     return Config(**values)
