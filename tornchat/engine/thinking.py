@@ -105,6 +105,7 @@ class Budget:
         self.queued: list[int] | None = None  # the closing tokens still to write, once forced
         self.spent = 0  # tokens written while the thinking was open, forced ones aside
         self.reasoning_tokens = 0  # every token of the thinking, its tags included (usage)
+        self.undecided = 0  # tokens written while the reply could still be opening the tag
 
     def forced(self) -> int | None:
         """The token the next step must write, or None where the model chooses."""
@@ -120,5 +121,10 @@ class Budget:
             self.queued.pop(0)
         elif before == THINKING:
             self.spent += 1
-        if THINKING in (before, self.splitter.state):
+        after = self.splitter.state
+        if after == START:
+            self.undecided += 1
+        elif before == START and after == THINKING:
+            self.reasoning_tokens += self.undecided  # they wrote the opening tag
+        if THINKING in (before, after):
             self.reasoning_tokens += 1
