@@ -228,7 +228,7 @@ class GenerationHandler(BaseHandler):
         """
         tokenizer = self.engine.tokenizer
         plan, thinks, enabled = self.plan(request)
-        budget = reasoning.tighter(self.config.reasoning_budget, request.reasoning.budget)
+        budget = reasoning.tighter(self.config.reasoning_budget, request.thinking.budget)
         thinking = reasoning.thinking(plan.prompt, thinks, enabled, budget)
         generation = GenerationRequest(
             prompt_ids=prompt.encode(tokenizer, plan.prompt),
@@ -247,7 +247,7 @@ class GenerationHandler(BaseHandler):
         """The request's plan, whether the template thinks, and whether this reply may think."""
         tokenizer = self.engine.tokenizer
         thinks = reasoning.template_thinks(tokenizer)
-        enabled = request.reasoning.enabled
+        enabled = request.thinking.enabled
         if enabled is None:
             enabled = self.config.reasoning == "on"
         # A grammar that binds the reply from its first token (JSON, a forced call) leaves no room for thinking.

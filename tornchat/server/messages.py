@@ -73,7 +73,7 @@ def parse(data: dict, max_messages: int, vocab_size: int, counting: bool = False
         functions=tools,
         call_style="tools" if tools else None,
         choice=_tool_choice(data.get("tool_choice"), tools),
-        reasoning=_thinking(data.get("thinking")),
+        thinking=_thinking(data.get("thinking")),
     )
 
 

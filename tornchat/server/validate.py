@@ -50,7 +50,7 @@ class ChatRequest(Request):
     call_style: str | None = None  # "functions" (legacy) or "tools": the shape of a call in the reply
     choice: Choice = field(default_factory=Choice)
     response_format: Format = field(default_factory=Format)
-    reasoning: reasoning.Request = field(default_factory=reasoning.Request)
+    thinking: reasoning.Request = field(default_factory=reasoning.Request)
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, enable_thinking aside (reasoning has it)
 
 
@@ -87,7 +87,7 @@ def chat_request(data: dict, max_messages: int, vocab_size: int) -> ChatRequest:
         call_style=call_style,
         choice=choice,
         response_format=_response_format(data.get("response_format")),
-        reasoning=thinking,
+        thinking=thinking,
         template_kwargs=template_kwargs,
     )
 
