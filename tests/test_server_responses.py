@@ -131,7 +131,7 @@ def test_forced_tool_call_parses_against_its_schema(forced):
 
 def test_tool_round_trip_stateless_reuses_the_kv_slot(client, forced):
     call = forced.output[0]
-    # As Codex sends a next turn: the whole history, items with extra id/status fields, reasoning items (dropped).
+    # As Codex sends a next turn: the whole history, items with extra id/status fields, a reasoning item without text (it adds nothing).
     second = client.responses.create(
         model="m", temperature=0, max_output_tokens=8, tools=[WEATHER],
         input=[

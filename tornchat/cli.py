@@ -44,6 +44,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "max_output_tokens (default: until the model stops or the context is full)")
     p.add_argument("--temperature-default", type=float, metavar="T",
                    help="temperature of a request that sets none, on every endpoint (default 1.0; below 0.01: greedy)")
+    p.add_argument("--reasoning", choices=config_module.CHOICES["reasoning"],
+                   help="thinking models (a chat template with <think>): on returns the thinking apart as "
+                        "reasoning_content; off renders the template with enable_thinking=false; a request may "
+                        "choose either (default on)")
+    p.add_argument("--reasoning-budget", type=int,
+                   help="most thinking tokens per reply: past them the server closes the thinking (</think>) and the "
+                        "model answers; a request's reasoning_budget may only lower it (default: no cap)")
     p.add_argument("--responses-store", type=int,
                    help="responses kept in memory for /v1/responses' previous_response_id; 0: none (default 256)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY'")

@@ -24,6 +24,8 @@ class Config:
     max_messages: int = 1024
     max_tokens_default: int | None = None  # a chat-shaped reply's cap where the request gives none; None: the context
     temperature_default: float | None = None  # the temperature where a request gives none; None: 1.0 (OpenAI's, Anthropic's)
+    reasoning: str = "on"  # on | off: a thinking template's <think> by default (a request may say otherwise)
+    reasoning_budget: int | None = None  # thinking tokens allowed before the decode loop closes the thinking; None: no cap
     responses_store: int = 256  # /v1/responses kept in memory for previous_response_id (oldest dropped first); 0: none
     api_key: str | None = None  # Bearer token clients must send
     api_auth: str | None = None  # "user:password" for HTTP Basic
@@ -40,6 +42,7 @@ CHOICES = {
     "model_impl": ("auto", "hf", "lean"),
     "quantize": ("auto", "none", "bf16", "int8", "int4"),
     "speculate": ("auto", "lookup", "none"),
+    "reasoning": ("on", "off"),
     "log_level": ("debug", "info", "warning", "error"),
     "log_format": ("text", "json"),
 }
@@ -60,6 +63,8 @@ def load_yaml(path: str) -> dict:
 def build(file: str | None, overrides: dict) -> Config:
     values = load_yaml(file) if file else {}
     values.update({key: value for key, value in overrides.items() if value is not None})
+    if isinstance(values.get("reasoning"), bool):  # YAML 1.1 reads a bare on / off as a boolean
+        values["reasoning"] = "on" if values["reasoning"] else "off"
     for key, allowed in CHOICES.items():
         if key in values and values[key] not in allowed:
             raise ValueError(f"{key} is {values[key]!r}; expected one of {', '.join(allowed)}")
@@ -71,4 +76,7 @@ def build(file: str | None, overrides: dict) -> Config:
     temperature = values.get("temperature_default")
     if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2):
         raise ValueError(f"temperature_default is {temperature!r}; expected a number from 0 to 2")
+    budget = values.get("reasoning_budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ValueError(f"reasoning_budget is {budget!r}; expected a whole number of tokens, 0 or more")
     return Config(**values)

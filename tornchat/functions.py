@@ -30,32 +30,45 @@ from tornchat.toolcalls.common import NO_PARAMETERS, Choice, Format, Piece, Plan
 __all__ = ["Choice", "Format", "Piece", "Plan", "plan"]
 
 
-def plan(tokenizer, messages: list[dict], functions: list[dict], choice: Choice = Choice(), fmt: Format = Format()) -> Plan:
+def plan(tokenizer, messages: list[dict], functions: list[dict], choice: Choice = Choice(), fmt: Format = Format(),
+         template_kwargs: dict | None = None) -> Plan:
     """Prompt text, extra stop strings, a parser and a grammar for one request.
 
     ``messages`` are validated dicts: role, content (a string), and
-    function_call ({name, arguments}) / tool_calls / tool_call_id where
-    present. ``functions`` are definitions: name, description, parameters.
+    function_call ({name, arguments}) / tool_calls / tool_call_id /
+    reasoning_content where present. ``functions`` are definitions: name,
+    description, parameters. ``template_kwargs`` go to the chat template
+    (not to the ReAct prompt, which writes its own turns).
     """
     offered = functions if choice.mode != "none" else []
     syntax = toolcalls.detect(tokenizer)
     if syntax is not None:
-        return _native_plan(syntax, tokenizer, messages, offered, choice, fmt)
+        return _native_plan(syntax, tokenizer, messages, offered, choice, fmt, template_kwargs)
     if not offered and not any(calls(m) or m["role"] in ("function", "tool") for m in messages):
-        turns = [{"role": m["role"], "content": m["content"]} for m in messages]
+        turns = [_turn(m) for m in messages]
         if not fmt.json:
-            return Plan(prompt.render(tokenizer, turns), (), None)
-        return Plan(prompt.render(tokenizer, instruct(turns, fmt.instructions())), (), None, f"start: {answer(fmt)}")
+            return Plan(prompt.render(tokenizer, turns, template_kwargs=template_kwargs), (), None)
+        text = prompt.render(tokenizer, instruct(turns, fmt.instructions()), template_kwargs=template_kwargs)
+        return Plan(text, (), None, f"start: {answer(fmt)}")
     return react.plan(tokenizer, messages, offered, choice, fmt)
 
 
-def _native_plan(syntax: Syntax, tokenizer, messages: list[dict], functions: list[dict], choice: Choice, fmt: Format) -> Plan:
+def _turn(message: dict) -> dict:
+    """A message as the template reads it; an assistant's earlier thinking goes along, for templates that place it."""
+    turn = {"role": message["role"], "content": message["content"]}
+    if message.get("reasoning_content"):
+        turn["reasoning_content"] = message["reasoning_content"]
+    return turn
+
+
+def _native_plan(syntax: Syntax, tokenizer, messages: list[dict], functions: list[dict], choice: Choice, fmt: Format,
+                 template_kwargs: dict | None) -> Plan:
     # Parameters always, as OpenAI reads a function without them: some templates (Qwen3-Coder's) read them unguarded.
     tools = [{"type": "function", "function": {**f, "parameters": f.get("parameters") or NO_PARAMETERS}} for f in functions] or None
     rendered = _native_messages(messages, syntax)
     if fmt.json:
         rendered = instruct(rendered, fmt.instructions())
-    text = prompt.render(tokenizer, rendered, tools)
+    text = prompt.render(tokenizer, rendered, tools, template_kwargs=template_kwargs)
     if not functions:
         return Plan(text, (), None, f"start: {answer(fmt)}" if fmt.json else None)
     keep = frozenset(token for _, token in syntax.special)
@@ -79,7 +92,7 @@ def _native_messages(messages: list[dict], syntax: Syntax) -> list[dict]:
                 {"id": syntax.call_id(i), "type": "function", "function": {"name": c["name"], "arguments": _as_object(c["arguments"])}}
                 for i, c in zip(ids, made)
             ]
-            rendered.append({"role": "assistant", "content": content, "tool_calls": tool_calls})
+            rendered.append({**_turn(message), "tool_calls": tool_calls})
         elif role in ("function", "tool"):
             call_id = message.get("tool_call_id") or (unanswered[0] if unanswered else f"call_{len(rendered)}")
             if call_id in unanswered:
@@ -87,7 +100,7 @@ def _native_messages(messages: list[dict], syntax: Syntax) -> list[dict]:
             extra = {"name": message["name"]} if message.get("name") else {}
             rendered.append({"role": "tool", "content": content, "tool_call_id": syntax.call_id(call_id), **extra})
         else:
-            rendered.append({"role": role, "content": content})
+            rendered.append(_turn(message))
     return rendered
 
 

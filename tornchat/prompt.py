@@ -10,10 +10,15 @@ FALLBACK_TEMPLATE = (
 )
 
 
-def render(tokenizer, messages: list[dict], tools: list[dict] | None = None, generation_prompt: bool = True) -> str:
-    """The prompt text for messages, ending with the assistant's generation prompt unless told otherwise."""
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None, generation_prompt: bool = True,
+           template_kwargs: dict | None = None) -> str:
+    """The prompt text for messages, ending with the assistant's generation prompt unless told otherwise.
+
+    ``template_kwargs`` are variables for the template (a request's
+    ``chat_template_kwargs``, ``enable_thinking``); templates ignore those they do not read.
+    """
     template = getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE
-    kwargs = {"tools": tools} if tools else {}
+    kwargs = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     return tokenizer.apply_chat_template(
         messages, chat_template=template, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
     )

@@ -4,7 +4,8 @@ Everything a researcher changes when tweaking decoding lives here, on one
 screen: the forward calls, then per step the log-probabilities the reply
 reports (of the raw logits, only when asked), the logits processors
 (processors.py), the grammar mask (structured outputs), the sampler call,
-and the stop checks. With speculation (speculate.py) one forward verifies
+the thinking budget (thinking.py: past it, the closing tag's tokens replace
+the sampled ones) and the stop checks. With speculation (speculate.py) one forward verifies
 drafted tokens and yields a row of logits per step: the steps that follow
 use those rows for as long as the sampled tokens equal the drafts.
 """
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from tornchat.engine import logprobs, processors, speculate
+from tornchat.engine import logprobs, processors, speculate, thinking
 from tornchat.engine.model import PREFILL_CHUNK, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.textstream import Detokenizer, StopMatcher
@@ -86,6 +87,7 @@ def generate(
         if grammar is not None:
             grammar.fill_mask()
         detok, stops = Detokenizer(tokenizer, request.keep_special), StopMatcher(request.stop)
+        thinking_budget = thinking.Budget(request.thinking, tokenizer) if request.thinking is not None else None
         history = processors.History(prompt)
         drafter = speculate.Drafter(speculation, prompt, request.prediction_ids, budget) if speculation else None
         rows = [logits]  # logits of the next positions: this step's, then one per draft fed after it
@@ -105,6 +107,8 @@ def generate(
             logits = processors.truncate(logits, params)  # min_p, after the mask: it must not keep only banned tokens
             token_ids, _ = sample(logits[None, :], temperature, top_k, top_p, seed, step)
             token = int(token_ids[0])
+            if thinking_budget is not None and (forced := thinking_budget.forced()) is not None:
+                token = forced
             history.append(token)
             if drafts and token == drafts[0]:
                 drafts.pop(0)  # the next row was computed after this very token
@@ -118,7 +122,10 @@ def generate(
             unsent.append(token)
             if model_logprobs is not None:
                 unsent_logprobs.append(logprobs.for_token(model_logprobs, token, request.logprobs))
-            piece, hit_stop_string = stops.push(detok.push(token))
+            fresh = detok.push(token)
+            if thinking_budget is not None:
+                thinking_budget.observe(fresh)
+            piece, hit_stop_string = stops.push(fresh)
             text += piece
             if hit_stop_string or grammar_done:
                 finish_reason = "stop"
@@ -164,5 +171,6 @@ def generate(
     counters["accepted_tokens"] += accepted
     # After the budget holds, so that whoever gets the last event sees the pool as it stays.
     usage = Usage(prompt_tokens=len(prompt), completion_tokens=len(history.output_ids), cached_tokens=reused,
-                  accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted)
+                  accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted,
+                  reasoning_tokens=thinking_budget.reasoning_tokens if thinking_budget is not None else 0)
     emit(Event(finish_reason=finish_reason, usage=usage))

@@ -43,6 +43,14 @@ class SamplingParams:
     min_p: float = 0.0
 
 
+@dataclass(frozen=True)
+class Thinking:
+    """A reply that may think first (engine/thinking.py): where it starts, and how long it may think."""
+
+    inside: bool  # the prompt ends with an opened <think>: the reply starts in the thinking
+    budget: int | None = None  # thinking tokens allowed before the loop closes it; None: no bound
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]
@@ -54,6 +62,7 @@ class GenerationRequest:
     grammar: Grammar | None = None  # constrains the generated text (structured outputs, function calls)
     prediction_ids: list[int] = field(default_factory=list)  # text the reply is expected to repeat (drafts)
     keep_special: frozenset[int] = frozenset()  # special tokens decoded into the text (a tool-call format's markers)
+    thinking: Thinking | None = None  # None: the reply is all answer, nothing to count or force
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class Usage:
     cached_tokens: int  # prompt tokens taken from a KV slot instead of prefilled
     accepted_prediction_tokens: int = 0  # drafted tokens the sampler confirmed (speculation)
     rejected_prediction_tokens: int = 0  # drafted tokens it did not
+    reasoning_tokens: int = 0  # of completion_tokens, those of the thinking (tags included)
 
     @property
     def total_tokens(self) -> int:

@@ -10,7 +10,7 @@ from tornado.iostream import StreamClosedError
 from tornado.queues import Queue
 from tornado.web import HTTPError, RequestHandler, stream_request_body
 
-from tornchat import MODEL_ID, functions, prompt
+from tornchat import MODEL_ID, functions, prompt, reasoning
 from tornchat.engine.grammar import Grammar, GrammarError
 from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, QueueFull
 from tornchat.functions import Piece
@@ -230,7 +230,9 @@ class GenerationHandler(BaseHandler):
         and a KV slot filled by one turn serves the next.
         """
         tokenizer = self.engine.tokenizer
-        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice, request.response_format)
+        plan, thinks, enabled = self.plan(request)
+        budget = reasoning.tighter(self.config.reasoning_budget, request.thinking.budget)
+        thinking = reasoning.thinking(plan.prompt, thinks, enabled, budget)
         generation = GenerationRequest(
             prompt_ids=prompt.encode(tokenizer, plan.prompt),
             sampling=request.sampling,
@@ -241,8 +243,22 @@ class GenerationHandler(BaseHandler):
             grammar=self._grammar(plan.grammar),
             prediction_ids=self._prediction_ids(request),
             keep_special=plan.keep,
+            thinking=thinking,
         )
-        return generation, plan.parser
+        return generation, reasoning.Parser(thinking, plan.parser) if thinking is not None else plan.parser
+
+    def plan(self, request: validate.ChatRequest) -> tuple[functions.Plan, bool, bool]:
+        """The request's plan, whether the template thinks, and whether this reply may think."""
+        tokenizer = self.engine.tokenizer
+        thinks = reasoning.template_thinks(tokenizer)
+        enabled = request.thinking.enabled
+        if enabled is None:
+            enabled = self.config.reasoning == "on"
+        # A grammar that binds the reply from its first token (JSON, a forced call) leaves no room for thinking.
+        enabled = enabled and not (request.response_format.json or request.choice.mode in ("named", "required"))
+        kwargs = reasoning.template_kwargs(thinks, enabled, request.template_kwargs)
+        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice, request.response_format, kwargs)
+        return plan, thinks, enabled
 
     def _grammar(self, lark: str | None) -> Grammar | None:
         if lark is None:

@@ -4,11 +4,14 @@ The request (``system``, ``messages`` with text / tool_use / tool_result
 blocks, ``tools`` with ``input_schema``, ``tool_choice``,
 ``stop_sequences``, ``max_tokens``, sampling) becomes the
 ``validate.ChatRequest`` the chat handler builds: the same prompt, KV slots
-and grammar. Fields Claude Code sends that change nothing here (thinking,
-metadata, context_management, output_config, cache_control, betas) are
+and grammar. ``thinking`` turns a thinking model's thinking on
+(``enabled``, with ``budget_tokens`` as its budget, or ``adaptive``) or
+off (``disabled``); earlier ``thinking`` blocks go to the template as the
+turn's reasoning. Fields Claude Code sends that change nothing here
+(metadata, context_management, output_config, cache_control, betas) are
 accepted and ignored.
 
-The reply is a ``message`` with ``text`` and ``tool_use`` content blocks;
+The reply is a ``message`` with ``thinking``, ``text`` and ``tool_use`` content blocks;
 streamed, it is Anthropic's event sequence (message_start, ping,
 content_block_start / _delta / _stop, message_delta, message_stop), each
 record with its ``event:`` line. Errors are ``{"type": "error", "error":
@@ -20,7 +23,7 @@ import hmac
 import json
 import secrets
 
-from tornchat import MODEL_ID, functions, prompt
+from tornchat import MODEL_ID, prompt, reasoning
 from tornchat.engine.types import PromptTooLong, Usage
 from tornchat.functions import Choice, Piece
 from tornchat.server import validate
@@ -30,7 +33,7 @@ from tornchat.server.validate import MAX_STOP, ChatRequest
 
 ROLES = ("user", "assistant", "system")  # system: Claude Code puts one inside messages
 BILLING_HEADER = "x-anthropic-billing-header:"
-DROPPED_BLOCKS = ("thinking", "redacted_thinking")  # another model's reasoning: nothing for this prompt
+THINKING = ("enabled", "adaptive", "disabled")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 
@@ -70,7 +73,18 @@ def parse(data: dict, max_messages: int, vocab_size: int, counting: bool = False
         functions=tools,
         call_style="tools" if tools else None,
         choice=_tool_choice(data.get("tool_choice"), tools),
+        thinking=_thinking(data.get("thinking")),
     )
+
+
+def _thinking(value) -> reasoning.Request:
+    """``thinking``: {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or {"type": "disabled"}."""
+    if value is None:
+        return reasoning.Request()
+    if not isinstance(value, dict) or value.get("type") not in THINKING:
+        raise invalid('thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or {"type": "disabled"}')
+    budget = validate._integer(value, "budget_tokens", 0) if value["type"] == "enabled" else None
+    return reasoning.Request(value["type"] != "disabled", budget)
 
 
 def _system(value) -> str:
@@ -109,7 +123,7 @@ def _messages(value: list) -> list[dict]:
             continue
         if not isinstance(content, list):
             raise invalid(f"{where}.content must be a string or an array of content blocks")
-        texts, calls, results = [], [], []
+        texts, thoughts, calls, results = [], [], [], []
         for j, block in enumerate(content):
             here = f"{where}.content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
@@ -125,8 +139,9 @@ def _messages(value: list) -> list[dict]:
             elif kind == "tool_result" and role == "user":
                 call_id = validate._string(block, "tool_use_id", f"{here}.tool_use_id", required=True)
                 results.append({"role": "tool", "content": _result(block.get("content"), f"{here}.content"), "tool_call_id": call_id})
-            elif kind in DROPPED_BLOCKS:
-                continue
+            elif kind in ("thinking", "redacted_thinking"):
+                if kind == "thinking" and role == "assistant":  # redacted: encrypted by another server, unreadable here
+                    thoughts.append(validate._string(block, "thinking", f"{here}.thinking", required=True))
             elif kind in ("tool_use", "tool_result"):
                 raise invalid(f"{here}: a {kind} block belongs in an {'assistant' if kind == 'tool_use' else 'user'} message")
             else:
@@ -134,6 +149,8 @@ def _messages(value: list) -> list[dict]:
         messages += results  # the results answer the calls of the assistant turn before; any text follows them
         if texts or calls or not results:
             message = {"role": role, "content": "".join(texts)}
+            if thoughts:
+                message["reasoning_content"] = "\n\n".join(thoughts)
             if calls:
                 message["tool_calls"] = calls
             messages.append(message)
@@ -203,6 +220,10 @@ def usage_body(usage: Usage) -> dict:
     }
 
 
+# Piece kind -> (content block type, its text field, its delta type)
+TEXT_BLOCKS = {"content": ("text", "text", "text_delta"), "reasoning": ("thinking", "thinking", "thinking_delta")}
+
+
 class MessageReply:
     """One message's content blocks, as stream events and as the whole ``message`` object."""
 
@@ -225,10 +246,12 @@ class MessageReply:
         return [("message_start", {"type": "message_start", "message": self.message(None, usage)}), ("ping", {"type": "ping"})]
 
     def add(self, piece: Piece) -> Events:
-        if piece.kind == "content":
-            events = [] if self.open is not None and self.blocks[self.open]["type"] == "text" else self._start({"type": "text", "text": ""})
-            self.blocks[self.open]["text"] += piece.text
-            return events + [self._delta({"type": "text_delta", "text": piece.text})]
+        if piece.kind in TEXT_BLOCKS:
+            kind, field, delta = TEXT_BLOCKS[piece.kind]
+            writing = self.open is not None and self.blocks[self.open]["type"] == kind
+            events = [] if writing else self._start({"type": kind, field: "", **({"signature": ""} if kind == "thinking" else {})})
+            self.blocks[self.open][field] += piece.text
+            return events + [self._delta({"type": delta, field: piece.text})]
         if piece.index in self.dropped or (piece.kind == "name" and piece.index > 0 and not self.parallel):
             self.dropped.add(piece.index)
             return []
@@ -322,6 +345,5 @@ class CountTokensHandler(_Anthropic, AgentHandler):
 
     async def post(self) -> None:
         request = parse(self.body(), self.config.max_messages, self.vocab_size, counting=True)
-        tokenizer = self.engine.tokenizer
-        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice, request.response_format)
-        self.write_json({"input_tokens": len(prompt.encode(tokenizer, plan.prompt))})
+        plan, _, _ = self.plan(request)
+        self.write_json({"input_tokens": len(prompt.encode(self.engine.tokenizer, plan.prompt))})

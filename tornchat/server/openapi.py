@@ -8,7 +8,7 @@ this file and the code fails there.
 from tornchat import MODEL_ID, __version__
 from tornchat.config import Config
 from tornchat.server import auth
-from tornchat.server.validate import COMPLETION_MAX_TOKENS, LOGIT_BIAS, MAX_STOP, MAX_TOP_LOGPROBS, ROLES
+from tornchat.server.validate import COMPLETION_MAX_TOKENS, EFFORTS, LOGIT_BIAS, MAX_STOP, MAX_TOP_LOGPROBS, ROLES
 
 
 def _optional(schema: dict) -> dict:
@@ -187,6 +187,9 @@ def schemas(config: Config) -> dict:
                 "max_tokens": _optional({"type": "integer", "minimum": 1, "description": "New tokens"}),
                 "max_completion_tokens": _optional({"type": "integer", "minimum": 1, "description": "Same as max_tokens; the smaller wins"}),
                 "max_length": _optional({"type": "integer", "minimum": 1, "description": "Prompt plus new tokens"}),
+                "reasoning_effort": _optional({"enum": list(EFFORTS), "description": "none: a thinking model does not think; any other: it does"}),
+                "reasoning_budget": _optional({"type": "integer", "minimum": 0, "description": "Most thinking tokens; past them the server closes the thinking"}),
+                "chat_template_kwargs": _optional({"type": "object", "description": "Variables for the chat template; enable_thinking: false turns thinking off"}),
                 "logprobs": _optional({"type": "boolean", "description": "Each generated token's log-probability in choices[].logprobs"}),
                 "top_logprobs": _optional(
                     {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS, "description": "The most likely tokens at each position; needs logprobs: true"}
@@ -413,7 +416,7 @@ TEXT_PART = {"type": "object", "required": ["type"], "properties": {"type": {"en
 RESPONSE_ITEM = {
     "type": "object",
     "description": "An input item: a message (type may be left out), function_call, function_call_output, or reasoning "
-                   "(accepted and dropped). Other fields (id, status) are ignored",
+                   "(its reasoning_text content, else its summary, is the next assistant turn's thinking). Other fields (id, status) are ignored",
     "properties": {
         "type": {"enum": ["message", "function_call", "function_call_output", "reasoning"]},
         "role": {"enum": ["user", "assistant", "system", "developer"]},
@@ -452,7 +455,7 @@ RESPONSE_USAGE = {
 ANTHROPIC_BLOCK = {
     "type": "object",
     "required": ["type"],
-    "description": "text, tool_use (assistant messages), tool_result (user messages); thinking blocks are accepted and dropped",
+    "description": "text, tool_use (assistant messages), tool_result (user messages); an assistant's thinking blocks are the turn's earlier thinking",
     "properties": {
         "type": {"enum": ["text", "tool_use", "tool_result", "thinking", "redacted_thinking"]},
         "text": {"type": "string"},
@@ -487,7 +490,7 @@ def agent_schemas(config: Config) -> dict:
         "ResponseRequest": {
             "type": "object",
             "required": ["model", "input"],
-            "description": "OpenAI's Responses API. Unlisted fields (reasoning, include, prompt_cache_key, ...) are ignored; "
+            "description": "OpenAI's Responses API. Unlisted fields (include, prompt_cache_key, ...) are ignored; "
                            "tools of types other than function are ignored",
             "properties": {
                 "model": {"type": "string"},
@@ -555,7 +558,7 @@ def agent_schemas(config: Config) -> dict:
         "MessagesRequest": {
             "type": "object",
             "required": ["model", "max_tokens", "messages"],
-            "description": "Anthropic's Messages API. Ignored: thinking, metadata, context_management, output_config, "
+            "description": "Anthropic's Messages API. Ignored: metadata, context_management, output_config, "
                            "cache_control, betas, and tools of Anthropic's server types",
             "properties": {
                 "model": {"type": "string"},

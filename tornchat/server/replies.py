@@ -1,6 +1,6 @@
 """Reply bodies in the OpenAI shape: chat.completion(.chunk), text_completion, model list.
 
-``Reply`` collects one choice's pieces (content, call name, call arguments)
+``Reply`` collects one choice's pieces (reasoning, content, call name, call arguments)
 and gives both the streamed delta for each piece and the whole message at
 the end, so the two modes cannot drift apart; ``TextReply`` does the same
 for /v1/completions. Token log-probabilities, where asked for, ride on the
@@ -33,7 +33,7 @@ def usage_body(usage: Usage) -> dict:
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
         "completion_tokens_details": {
-            "reasoning_tokens": 0,
+            "reasoning_tokens": usage.reasoning_tokens,
             "accepted_prediction_tokens": usage.accepted_prediction_tokens,
             "rejected_prediction_tokens": usage.rejected_prediction_tokens,
         },
@@ -116,6 +116,7 @@ class Reply(_Reply):
         super().__init__(spelling)
         self.call_style = call_style  # "functions", "tools" or None (no functions offered)
         self.content: list[str] = []
+        self.reasoning: list[str] = []  # a thinking model's thinking (tornchat/reasoning.py)
         self.calls: list[dict] = []  # {id, name, arguments}
 
     def opening(self) -> list[dict]:
@@ -126,6 +127,9 @@ class Reply(_Reply):
         if piece.kind == "content":
             self.content.append(piece.text)
             return {"content": piece.text}
+        if piece.kind == "reasoning":
+            self.reasoning.append(piece.text)
+            return _reasoning(piece.text)
         if self.call_style == "functions" and piece.index > 0:
             return None  # the legacy form carries a single call
         if piece.kind == "name":
@@ -149,6 +153,8 @@ class Reply(_Reply):
     def message(self) -> dict:
         content = "".join(self.content)
         message = {"role": "assistant", "content": content or (None if self.calls else "")}
+        if self.reasoning:
+            message.update(_reasoning("".join(self.reasoning)))
         if self.calls and self.call_style == "functions":
             call = self.calls[0]
             message["function_call"] = {"name": call["name"], "arguments": call["arguments"]}
@@ -170,6 +176,11 @@ class Reply(_Reply):
         if self.logprobs is not None and (content := self.logprobs.unsent()):
             choice["logprobs"] = {"content": content}
         return {**self.envelope(), "choices": [choice]}
+
+
+def _reasoning(text: str) -> dict:
+    """Thinking under both names clients read: reasoning_content (DeepSeek's, llama.cpp's) and reasoning (vLLM's newer)."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 class TextReply(_Reply):

@@ -7,8 +7,9 @@ same prompt, KV slots and grammar. ``previous_response_id`` prepends the
 conversation of a response kept in a bounded in-memory store
 (``responses_store`` in the config: how many responses are kept).
 
-The reply is a ``response`` object whose ``output`` holds a ``message``
-item for text and a ``function_call`` item per call; streamed, it is
+The reply is a ``response`` object whose ``output`` holds a ``reasoning``
+item for a thinking model's thinking (its text as ``reasoning_text``
+content), a ``message`` item for text and a ``function_call`` item per call; streamed, it is
 OpenAI's event sequence (``response.created`` ... ``response.completed``),
 each record with its ``event:`` line. Errors are ``{"error": {"message",
 "type", "param", "code"}}``; a failure after the stream started is a
@@ -18,7 +19,7 @@ import secrets
 import time
 from collections import OrderedDict
 
-from tornchat import MODEL_ID
+from tornchat import MODEL_ID, reasoning
 from tornchat.engine.types import PromptTooLong, Usage
 from tornchat.functions import Choice, Format, Piece
 from tornchat.server import validate
@@ -27,8 +28,8 @@ from tornchat.server.errors import APIError, invalid
 from tornchat.server.validate import FUNCTION_NAME, ChatRequest
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
+TURN_ORDER = ("reasoning_content", "content", "tool_calls")  # an assistant turn's parts, as templates write them
 TEXT_PARTS = ("input_text", "output_text", "text", "refusal")  # refusal: an assistant's own words all the same
-DROPPED_ITEMS = ("reasoning",)  # a model's hidden reasoning from another server: nothing for this prompt
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
                405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error"}
 
@@ -81,6 +82,7 @@ def parse(data: dict, max_messages: int, vocab_size: int, store: Store) -> tuple
     parallel = validate._boolean(data, "parallel_tool_calls")
     text = validate._object(data, "text")
     max_output = validate._integer(data, "max_output_tokens", 1)
+    effort = validate._object(data, "reasoning").get("effort")
     request = ChatRequest(
         sampling=validate._sampling(data, vocab_size),
         max_tokens=max_output,
@@ -91,6 +93,7 @@ def parse(data: dict, max_messages: int, vocab_size: int, store: Store) -> tuple
         call_style="tools" if functions else None,
         choice=choice,
         response_format=_format(text.get("format")),
+        thinking=reasoning.Request(validate.effort_enables(effort, "reasoning.effort"), validate._integer(data, "reasoning_budget", 0)),
     )
     echo = {
         "instructions": instructions,
@@ -104,6 +107,7 @@ def parse(data: dict, max_messages: int, vocab_size: int, store: Store) -> tuple
         "tools": [t for t in data.get("tools") or () if isinstance(t, dict) and t.get("type") == "function"],
         "text": {"format": text.get("format") or {"type": "text"}},
         "metadata": data.get("metadata") if isinstance(data.get("metadata"), dict) else {},
+        "reasoning": {"effort": effort, "summary": None},
     }
     return request, conversation, echo
 
@@ -126,7 +130,11 @@ def _input(value, max_messages: int) -> list[dict]:
             role = item.get("role")
             if role not in INPUT_ROLES:
                 raise invalid(f"{where}.role must be one of {', '.join(INPUT_ROLES)}")
-            messages.append({"role": "system" if role == "developer" else role, "content": _text(item.get("content"), f"{where}.content")})
+            content = _text(item.get("content"), f"{where}.content")
+            if role == "assistant":
+                _assistant(messages, "content")["content"] = content
+            else:
+                messages.append({"role": "system" if role == "developer" else role, "content": content})
         elif kind == "function_call":
             call = {
                 "id": validate._string(item, "call_id", f"{where}.call_id", required=True),
@@ -136,17 +144,43 @@ def _input(value, max_messages: int) -> list[dict]:
                     "arguments": validate._string(item, "arguments", f"{where}.arguments", required=True),
                 },
             }
-            if not (messages and messages[-1]["role"] == "assistant"):
-                messages.append({"role": "assistant", "content": ""})
-            messages[-1].setdefault("tool_calls", []).append(call)
+            _assistant(messages, "tool_calls").setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
             call_id = validate._string(item, "call_id", f"{where}.call_id", required=True)
             messages.append({"role": "tool", "content": _text(item.get("output"), f"{where}.output"), "tool_call_id": call_id})
-        elif kind in DROPPED_ITEMS:
-            continue
+        elif kind == "reasoning":
+            if thought := _reasoning_text(item):
+                _assistant(messages, "reasoning_content")["reasoning_content"] = thought
         else:
             raise invalid(f"{where}.type {str(kind)[:40]!r} is not supported: use message, function_call, function_call_output or reasoning items")
     return messages
+
+
+def _assistant(messages: list[dict], part: str) -> dict:
+    """The assistant message an item's ``part`` belongs to: the last one, if the part can still join it, else a new one.
+
+    One turn's items (reasoning, a message, calls) make one assistant
+    message, as chat templates render a turn in that order: an item joins
+    the last message unless that already holds its part or a later one
+    (any number of calls may join).
+    """
+    last = messages[-1] if messages else None
+    later = () if part == "tool_calls" else TURN_ORDER[TURN_ORDER.index(part):]
+    if last is None or last["role"] != "assistant" or any(last.get(key) for key in later):
+        last = {"role": "assistant", "content": ""}
+        messages.append(last)
+    return last
+
+
+def _reasoning_text(item: dict) -> str:
+    """A reasoning item's text: its reasoning_text content, else its summary (what Codex sends back)."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            texts = [p["text"] for p in parts if isinstance(p, dict) and p.get("type") == kind and isinstance(p.get("text"), str)]
+            if texts:
+                return "\n\n".join(texts)
+    return ""
 
 
 def _text(value, where: str) -> str:
@@ -216,13 +250,20 @@ def _format(value) -> Format:
 
 # ---- reply --------------------------------------------------------------------------
 
+# Piece kind -> (output item type, event name prefix, its text part as it starts)
+TEXT_ITEMS = {
+    "content": ("message", "response.output_text", {"type": "output_text", "text": "", "annotations": []}),
+    "reasoning": ("reasoning", "response.reasoning_text", {"type": "reasoning_text", "text": ""}),
+}
+ITEM_FIELDS = {"message": {"role": "assistant"}, "reasoning": {"summary": []}}  # beside id, type, status, content
+
 
 def usage_body(usage: Usage) -> dict:
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": usage.cached_tokens},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
         "total_tokens": usage.total_tokens,
     }
 
@@ -250,7 +291,7 @@ class ResponseReply:
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
             "error": error, "incomplete_details": incomplete, "model": MODEL_ID, "output": self.output,
-            "usage": None if usage is None else usage_body(usage), "reasoning": {"effort": None, "summary": None},
+            "usage": None if usage is None else usage_body(usage),
             "truncation": "disabled", "user": None, **self.echo,
         }
 
@@ -259,19 +300,19 @@ class ResponseReply:
                 self._event("response.in_progress", response=self.response())]
 
     def add(self, piece: Piece) -> Events:
-        if piece.kind == "content":
+        if piece.kind in TEXT_ITEMS:
+            kind, name, part = TEXT_ITEMS[piece.kind]
             events = []
-            if not self._writing("message"):
-                events = self._start({
-                    "id": "msg_" + secrets.token_hex(24), "type": "message", "status": "in_progress", "role": "assistant", "content": [],
-                })
-                part = {"type": "output_text", "text": "", "annotations": []}
-                self.open["content"].append(part)
+            if not self._writing(kind):
+                prefix = "msg_" if kind == "message" else "rs_"
+                events = self._start({"id": prefix + secrets.token_hex(24), "type": kind, "status": "in_progress",
+                                      **ITEM_FIELDS[kind], "content": []})
+                self.open["content"].append(dict(part))
                 events.append(self._event("response.content_part.added", item_id=self.open["id"], output_index=len(self.output) - 1,
                                           content_index=0, part=dict(part)))
             self.open["content"][0]["text"] += piece.text
-            return events + [self._event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output) - 1,
-                                         content_index=0, delta=piece.text, logprobs=[])]
+            return events + [self._event(f"{name}.delta", item_id=self.open["id"], output_index=len(self.output) - 1,
+                                         content_index=0, delta=piece.text, **_logprobs(kind))]
         if piece.index in self.dropped or (piece.kind == "name" and piece.index > 0 and not self.echo["parallel_tool_calls"]):
             self.dropped.add(piece.index)
             return []
@@ -299,10 +340,12 @@ class ResponseReply:
             return []
         index = len(self.output) - 1
         item["status"] = status
-        if item["type"] == "message":
+        if item["type"] in ITEM_FIELDS:
             part = item["content"][0]
+            event = next(name for kind, name, _ in TEXT_ITEMS.values() if kind == item["type"])
             events = [
-                self._event("response.output_text.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"], logprobs=[]),
+                self._event(f"{event}.done", item_id=item["id"], output_index=index, content_index=0, text=part["text"],
+                            **_logprobs(item["type"])),
                 self._event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=dict(part)),
             ]
         else:
@@ -331,19 +374,24 @@ class ResponseReply:
         """The output as chat messages, for the next turn's conversation."""
         messages: list[dict] = []
         for item in self.output:
-            if item["type"] == "message":
-                messages.append({"role": "assistant", "content": "".join(p["text"] for p in item["content"])})
+            if item["type"] == "reasoning":
+                _assistant(messages, "reasoning_content")["reasoning_content"] = item["content"][0]["text"]
+            elif item["type"] == "message":
+                _assistant(messages, "content")["content"] = item["content"][0]["text"]
             else:
-                if not (messages and messages[-1]["role"] == "assistant"):
-                    messages.append({"role": "assistant", "content": ""})
                 call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
-                messages[-1].setdefault("tool_calls", []).append(call)
+                _assistant(messages, "tool_calls").setdefault("tool_calls", []).append(call)
         return messages or [{"role": "assistant", "content": ""}]
 
 
 def _copy(item: dict) -> dict:
     """A snapshot of an item as it is now (the stream's events must not change as the item grows)."""
-    return {**item, "content": [dict(p) for p in item["content"]]} if item["type"] == "message" else dict(item)
+    return {**item, "content": [dict(p) for p in item["content"]]} if "content" in item else dict(item)
+
+
+def _logprobs(kind: str) -> dict:
+    """Output text events carry logprobs (none here); reasoning text events have no such field."""
+    return {"logprobs": []} if kind == "message" else {}
 
 
 # ---- handler ------------------------------------------------------------------------

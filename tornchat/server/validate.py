@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from tornchat import reasoning
 from tornchat.engine.grammar import schema_error
 from tornchat.engine.types import SamplingParams
 from tornchat.functions import Choice, Format
@@ -21,6 +22,11 @@ LOGIT_BIAS = 100.0  # each bias is within +-this
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 SEED_MODULUS = 1 << 63  # seeds of any size map into the sampler's int64 range
+EFFORTS = ("none", "minimal", "low", "medium", "high")  # reasoning_effort: "none" turns thinking off, the rest on
+# apply_chat_template's own arguments: chat_template_kwargs may not set them, the server does.
+TEMPLATE_ARGUMENTS = ("messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                      "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                      "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
 
 
 @dataclass
@@ -44,6 +50,8 @@ class ChatRequest(Request):
     call_style: str | None = None  # "functions" (legacy) or "tools": the shape of a call in the reply
     choice: Choice = field(default_factory=Choice)
     response_format: Format = field(default_factory=Format)
+    thinking: reasoning.Request = field(default_factory=reasoning.Request)
+    template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, enable_thinking aside (reasoning has it)
 
 
 @dataclass
@@ -68,6 +76,7 @@ def chat_request(data: dict, max_messages: int, vocab_size: int) -> ChatRequest:
     top_logprobs = _integer(data, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top_logprobs is not None and not logprobs:
         raise invalid("top_logprobs needs logprobs: true")
+    thinking, template_kwargs = _reasoning(data)
     return ChatRequest(
         **_shared(data, vocab_size),
         max_tokens=min(max_tokens, default=None),
@@ -78,6 +87,8 @@ def chat_request(data: dict, max_messages: int, vocab_size: int) -> ChatRequest:
         call_style=call_style,
         choice=choice,
         response_format=_response_format(data.get("response_format")),
+        thinking=thinking,
+        template_kwargs=template_kwargs,
     )
 
 
@@ -136,6 +147,30 @@ def _sampling(data: dict, vocab_size: int) -> SamplingParams:
         logit_bias=_logit_bias(data, vocab_size),
         min_p=number("min_p", 0.0, 1.0, 0.0),
     )
+
+
+def _reasoning(data: dict) -> tuple[reasoning.Request, dict]:
+    """reasoning_effort, reasoning_budget and chat_template_kwargs (whose enable_thinking is the same switch)."""
+    kwargs = _object(data, "chat_template_kwargs")
+    for key in kwargs:
+        if key in TEMPLATE_ARGUMENTS:
+            raise invalid(f"chat_template_kwargs.{key} cannot be set: the server passes it to the template itself")
+    switch = _boolean(kwargs, reasoning.SWITCH, f"chat_template_kwargs.{reasoning.SWITCH}")
+    enabled = effort_enables(data.get("reasoning_effort"), "reasoning_effort")
+    if switch is not None and enabled is not None and switch != enabled:
+        raise invalid(f"reasoning_effort and chat_template_kwargs.{reasoning.SWITCH} disagree: give one of them")
+    budget = _integer(data, "reasoning_budget", 0)
+    rest = {key: value for key, value in kwargs.items() if key != reasoning.SWITCH}
+    return reasoning.Request(switch if switch is not None else enabled, budget), rest
+
+
+def effort_enables(value, name: str) -> bool | None:
+    """Whether a reasoning effort turns thinking on ("none": off), None where none is given."""
+    if value is None:
+        return None
+    if value not in EFFORTS:
+        raise invalid(f"{name} must be one of {', '.join(EFFORTS)}")
+    return value != "none"
 
 
 # ---- scalar fields ----------------------------------------------------------------
@@ -246,6 +281,8 @@ def _messages(value, max_messages: int) -> list[dict]:
         message = {"role": role, "content": _content(raw, where, nullable=role == "assistant")}
         if (name := _string(raw, "name", f"{where}.name")) is not None:
             message["name"] = name
+        if thought := _thought(raw, where, role):
+            message["reasoning_content"] = thought
         if raw.get("function_call") is not None:
             if role != "assistant":
                 raise invalid(f"{where}.function_call is only allowed on assistant messages")
@@ -277,6 +314,14 @@ def _content(raw: dict, where: str, nullable: bool) -> str:
             texts.append(part["text"])
         return "".join(texts)
     raise invalid(f"{where}.content must be a string")
+
+
+def _thought(raw: dict, where: str, role: str) -> str:
+    """An assistant message's earlier thinking: reasoning_content, or vLLM's newer name reasoning."""
+    texts = [text for key in ("reasoning_content", "reasoning") if (text := _string(raw, key, f"{where}.{key}"))]
+    if texts and role != "assistant":
+        raise invalid(f"{where}: reasoning_content is only allowed on assistant messages")
+    return texts[0] if texts else ""
 
 
 def _prediction(value) -> str:
