@@ -77,7 +77,7 @@ def test_metrics_count_requests_tokens_latency_and_kv_reuse(server):
     health = server.health()
     assert m[("tornchat_prompt_tokens_total", ())] == health["engine"]["prefill_tokens"] + health["engine"]["reused_tokens"]
     assert m[("tornchat_engine_requests_total", ())] == health["engine"]["requests"] == 3
-    assert m[("tornchat_queue_depth", ())] == 0 and m[("tornchat_model_loaded", ())] == 1
+    assert m[("tornchat_queue_depth", ())] == 0 and m[("tornchat_model_loaded", ())] == 1 and m[("tornchat_running", ())] == 0
     reused, prefilled = health["engine"]["reused_tokens"], health["engine"]["prefill_tokens"]
     assert reused > 0 and m[("tornchat_kv_reuse_ratio", ())] == pytest.approx(reused / (reused + prefilled))
     assert m[("tornchat_kv_slots", ())] == health["kv"]["slots"] >= 1

@@ -31,6 +31,9 @@ class ScriptedEngine:
         self.stats = EngineStats()
         self.tuning = None  # no measurement under way
 
+    def running(self) -> int:
+        return 0
+
     def queue_depth(self) -> int:
         return 0
 

@@ -112,7 +112,7 @@ def test_stream_events_in_order_and_text_equal_the_plain_reply(server, reference
 
 
 def test_sdk_stream_accumulates_the_reply(client):
-    with client.responses.stream(**{**GREEDY, "max_output_tokens": 40}) as stream:
+    with client.responses.stream(**{**GREEDY, "max_output_tokens": 200}) as stream:  # room to end: "completed"
         deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text == "".join(deltas) != ""

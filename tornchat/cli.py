@@ -36,6 +36,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "one token per forward (default auto)")
     p.add_argument("--kv-slots", type=int, help="conversations whose KV cache is kept (default 4)")
     p.add_argument("--kv-memory-mb", type=int, help="memory bound on all KV slots together (default 2048)")
+    p.add_argument("--parallel", type=int, metavar="N",
+                   help="requests decoded together, each step one forward over all their rows; each gets the reply it "
+                        "would get alone (default 4)")
     p.add_argument("--max-queue", type=int, help="requests allowed to wait; beyond that 503 (default 16)")
     p.add_argument("--max-body-bytes", type=int, help="largest request body accepted (default 4 MiB)")
     p.add_argument("--max-messages", type=int, help="most messages in one request (default 1024)")

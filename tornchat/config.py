@@ -19,7 +19,8 @@ class Config:
     speculate: str = "auto"  # auto (on where a measured verify makes drafts pay) | lookup | none
     kv_slots: int = 4  # conversations whose KV cache is kept between calls
     kv_memory_mb: int = 2048  # bound on all slots together
-    max_queue: int = 16  # requests waiting behind the running one; beyond: 503
+    parallel: int = 4  # generations decoded together, each step one forward over all their rows
+    max_queue: int = 16  # requests waiting behind the running ones; beyond: 503
     max_body_bytes: int = 4 * 1024 * 1024
     max_messages: int = 1024
     max_tokens_default: int | None = None  # a chat-shaped reply's cap where the request gives none; None: the context
@@ -76,6 +77,9 @@ def build(file: str | None, overrides: dict) -> Config:
     temperature = values.get("temperature_default")
     if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature <= 2):
         raise ValueError(f"temperature_default is {temperature!r}; expected a number from 0 to 2")
+    parallel = values.get("parallel")
+    if parallel is not None and (isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1):
+        raise ValueError(f"parallel is {parallel!r}; expected a whole number of generations, at least 1")
     budget = values.get("reasoning_budget")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
         raise ValueError(f"reasoning_budget is {budget!r}; expected a whole number of tokens, 0 or more")

@@ -122,4 +122,4 @@ def _build_on_worker(config: Config) -> Engine:
         torch.get_num_threads(), config.kv_slots,
     )
     return Engine(runner, loaded.tokenizer, stops, slots, max_queue=config.max_queue, on_this_thread=True,
-                  speculation=costs)
+                  speculation=costs, parallel=config.parallel)

@@ -10,7 +10,8 @@ drafted tokens and yields a row of logits per step: the steps that follow
 use those rows for as long as the sampled tokens equal the drafts.
 """
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,6 +21,15 @@ from tornchat.engine.slots import SlotPool
 from tornchat.engine.textstream import Detokenizer, StopMatcher
 from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, Usage
 from tornchat.kernels import sample
+
+
+class Forward(NamedTuple):
+    """A forward a generation asks for: token_ids appended to cache; ``every``: the logits of every row
+    [n, V] (a verify's, a step's), else of the last row [1, V] (a prefill chunk's)."""
+
+    token_ids: list[int]
+    cache: Any
+    every: bool
 
 
 def token_budget(request: GenerationRequest, context_length: int) -> int:
@@ -46,8 +56,9 @@ def generate(
     cancelled: Callable[[], bool],
     counters: dict,
     speculation: speculate.Costs | None = None,
-) -> None:
-    """Run one request to completion, calling emit for each piece of text.
+) -> Generator[Forward, torch.Tensor, None]:
+    """Run one request to completion, calling emit for each piece of text; yields each ``Forward`` it needs
+    and is sent its logits (``run`` drives one generation alone, scheduler.py several together).
 
     ``speculation``: draft tokens by prompt lookup (speculate.py) and check
     them in one ``runner.verify``, sized by these costs. Each verified row
@@ -56,7 +67,8 @@ def generate(
     keyed by the token's index in the reply).
 
     Returns quietly if cancelled() turns true; raises on a model failure
-    (after dropping the slot, whose cache may be half-written).
+    (after dropping the slot, whose cache may be half-written). The slot is
+    the generation's alone until it ends (``SlotPool.release``).
     """
     budget = token_budget(request, runner.context_length)
     slot, reused, prompt = slots.acquire(request.prompt_ids)  # the same text, maybe in the slot's ids
@@ -71,7 +83,7 @@ def generate(
             if cancelled():
                 return
             chunk = prompt[start : start + PREFILL_CHUNK]
-            logits = runner.forward(chunk, slot.cache)
+            logits = (yield Forward(chunk, slot.cache, False))[0]
             slot.tokens.extend(chunk)
             counters["prefill_tokens"] += len(chunk)
 
@@ -148,10 +160,7 @@ def generate(
                 if cancelled():
                     return
                 drafts = drafter.propose(budget - step - 2) if drafter is not None else []
-                if drafts:
-                    rows = list(runner.verify([token, *drafts], slot.cache))
-                else:
-                    rows = [runner.forward([token], slot.cache, decode=True)]
+                rows = list((yield Forward([token, *drafts], slot.cache, True)))
                 if grammar is not None:
                     grammar.fill_mask()  # on CUDA, while the forward's kernels run
                 slot.tokens += [token, *drafts]
@@ -166,6 +175,7 @@ def generate(
         slots.discard(slot)
         raise
     finally:
+        slots.release(slot)
         slots.enforce_budget()
     counters["drafted_tokens"] += drafted
     counters["accepted_tokens"] += accepted
@@ -174,3 +184,13 @@ def generate(
                   accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted,
                   reasoning_tokens=thinking_budget.reasoning_tokens if thinking_budget is not None else 0)
     emit(Event(finish_reason=finish_reason, usage=usage))
+
+
+def run(runner: Runner, generation: Generator[Forward, torch.Tensor, None]) -> None:
+    """Drive one generation alone: each forward it asks for, on this thread."""
+    try:
+        step = next(generation)
+        while True:
+            step = generation.send(runner.forward_many([step])[0])
+    except StopIteration:
+        pass

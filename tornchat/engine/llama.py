@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tornchat.engine import blocks, cuda_graph, fused, quant
+from tornchat.engine.model import one_by_one
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 QUANTIZE = ("none", "bf16", "int8", "int4")
@@ -338,10 +339,9 @@ class LlamaRunner:
         [n, V] of every row where ``every`` (a verify's), else [1, V] of the last (a step's, a prefill
         chunk's). Each sequence gets bit for bit what ``verify`` / ``forward`` give it alone: the C++ forward
         computes every row by itself (rows of one sequence meet only in its own attention). Without it, those
-        calls one after another."""
+        calls one after another (``one_by_one``)."""
         if self.step is None:
-            return [self.verify(ids, cache) if every else self.forward(ids, cache, decode=len(ids) == 1)[None]
-                    for ids, cache, every in batch]
+            return one_by_one(self, batch)
         hidden = self._hidden_many([(ids, cache) for ids, cache, _ in batch]).split([len(ids) for ids, _, _ in batch])
         kept = [h if every else h[-1:] for h, (_, _, every) in zip(hidden, batch)]
         return list(self._logits(torch.cat(kept)).split([len(k) for k in kept]))

@@ -35,6 +35,11 @@ class Runner(Protocol):
         depends on the runner and the machine (``speculate.measure_costs``).
         """
 
+    def forward_many(self, batch: list[tuple[list[int], Any, bool]]) -> list[torch.Tensor]:
+        """Several sequences, each (token_ids, cache, every) with its own cache: fp32 logits [n, V] of every row
+        where ``every`` (``verify``'s), else [1, V] of the last (``forward``'s), each what that call alone gives.
+        The scheduler batches parallel generations through it; ``one_by_one`` is the plain version."""
+
     def truncate(self, cache: Any, length: int) -> None:
         """Keep only the first ``length`` positions of cache."""
 
@@ -42,6 +47,11 @@ class Runner(Protocol):
         """A new cache holding a copy of the first ``length`` positions of cache."""
 
     def cache_bytes(self, cache: Any) -> int: ...
+
+
+def one_by_one(runner: Runner, batch: list[tuple[list[int], Any, bool]]) -> list[torch.Tensor]:
+    """``forward_many`` as one call per sequence, for runners that cannot run sequences in one forward."""
+    return [runner.verify(ids, cache) if every else runner.forward(ids, cache)[None] for ids, cache, every in batch]
 
 
 class HFRunner:
@@ -67,6 +77,9 @@ class HFRunner:
     def verify(self, token_ids: list[int], cache) -> torch.Tensor:
         # One row at a time: transformers' modules give a row different bits in a multi-row forward.
         return torch.stack([self.forward([token], cache, decode=True) for token in token_ids])
+
+    def forward_many(self, batch) -> list[torch.Tensor]:
+        return one_by_one(self, batch)
 
     def truncate(self, cache, length: int) -> None:
         surplus = cache.get_seq_length() - length

@@ -20,6 +20,7 @@ class Slot:
     cache: Any
     tokens: list[int] = field(default_factory=list)  # exactly what cache holds
     last_used: int = 0
+    busy: bool = False  # a running generation's: neither taken over nor dropped until released
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -105,18 +106,24 @@ class SlotPool:
         shared = min(shared, len(prompt) - 1)
         if best is None:
             best = self._fresh_slot(self.runner.new_cache(), [])
-        elif shared < len(best.tokens):
+        elif shared < len(best.tokens) or best.busy:
             # The slot's tail may be another conversation, or a branch the
-            # client may come back to: copy the shared prefix instead of
-            # cutting it. Least recently used slots make room.
+            # client may come back to, or a generation running beside this
+            # one: copy the shared prefix instead of cutting it. Least
+            # recently used slots make room.
             best = self._fresh_slot(self.runner.fork(best.cache, shared), best.tokens[:shared])
         best.last_used = next(_clock)
+        best.busy = True
         return best, shared, prompt
 
+    def release(self, slot: Slot) -> None:
+        """The generation in slot has ended: the slot may be reused, or dropped to make room."""
+        slot.busy = False
+
     def _fresh_slot(self, cache, tokens: list[int]) -> Slot:
-        if len(self.slots) >= self.max_slots:
-            oldest = min(self.slots, key=lambda s: s.last_used)
-            self.slots.remove(oldest)
+        idle = [s for s in self.slots if not s.busy]
+        if len(self.slots) >= self.max_slots and idle:  # with every slot running, the pool grows for a while
+            self.slots.remove(min(idle, key=lambda s: s.last_used))
         slot = Slot(cache=cache, tokens=tokens)
         self.slots.append(slot)
         return slot
@@ -130,6 +137,6 @@ class SlotPool:
         return sum(self.runner.cache_bytes(s.cache) for s in self.slots)
 
     def enforce_budget(self) -> None:
-        """Drop least recently used slots until the pool fits max_bytes."""
-        while self.slots and self.total_bytes() > self.max_bytes:
-            self.slots.remove(min(self.slots, key=lambda s: s.last_used))
+        """Drop least recently used idle slots until the pool fits max_bytes (running ones stay)."""
+        while self.total_bytes() > self.max_bytes and (idle := [s for s in self.slots if not s.busy]):
+            self.slots.remove(min(idle, key=lambda s: s.last_used))

@@ -1,4 +1,5 @@
-"""One generation at a time, in a worker thread, from a bounded FIFO queue."""
+"""The engine: requests from a bounded FIFO queue, up to ``parallel`` of them decoded together (scheduler.py)
+on one worker thread."""
 import itertools
 import logging
 import os
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tornchat.engine import decode, speculate
+from tornchat.engine import decode, scheduler, speculate
 from tornchat.engine.model import Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.types import Event, GenerationRequest, QueueFull
@@ -103,7 +104,7 @@ class EngineStats:
 
 
 class Engine:
-    """Runs queued requests one at a time on its worker thread.
+    """Runs queued requests on its worker thread, up to ``parallel`` at once (first come, first served).
 
     The constructor starts that thread, unless ``on_this_thread``: then the
     calling thread is the worker and calls ``run_forever`` next (see ``start``).
@@ -118,6 +119,7 @@ class Engine:
         max_queue: int = 16,
         on_this_thread: bool = False,
         speculation: speculate.Costs | None = None,
+        parallel: int = 1,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -125,6 +127,7 @@ class Engine:
         self.slots = slots
         self.max_queue = max_queue
         self.speculation = speculation  # None: one token per forward
+        self.batch = scheduler.Batch(runner, parallel)
         self.stats = EngineStats()
         self.fault = Fault.from_env()
         self._waiting: deque[Handle] = deque()
@@ -165,6 +168,9 @@ class Engine:
 
     def queue_depth(self) -> int:
         return len(self._waiting)
+
+    def running(self) -> int:
+        return len(self.batch)
 
     def submit(self, request: GenerationRequest, on_event: Callable[[Event], None]) -> Handle:
         """Queue a request; on_event is called from the worker thread. Raises QueueFull."""
@@ -207,19 +213,27 @@ class Engine:
             self._wakeup.notify()
         self._thread.join(timeout=10)
 
-    def _next(self) -> Handle | None:
-        """The next request, waiting for one; None once closed."""
-        with self._wakeup:
-            while not self._waiting and not self._closed:
-                self._wakeup.wait()
-            return None if self._closed else self._waiting.popleft()
+    def _admit(self) -> bool:
+        """Move waiting requests into the batch while it has room, waiting for one when nothing runs;
+        False once closed."""
+        while True:
+            with self._wakeup:
+                while not self._waiting and not self._closed and not len(self.batch):
+                    self._wakeup.wait()
+                if self._closed:
+                    return False
+                if not self._waiting or self.batch.full():
+                    return True
+                handle = self._waiting.popleft()
+            self._start(handle)
 
     def run_forever(self) -> None:
-        """The worker loop: one request at a time until close()."""
-        while (handle := self._next()) is not None:
-            self._serve(handle)
+        """The worker loop: admit, then one forward over every running generation, until close()."""
+        while self._admit():
+            if len(self.batch):
+                self.batch.step()
 
-    def _serve(self, handle: Handle) -> None:
+    def _start(self, handle: Handle) -> None:
         counters = self.stats.counters
         counters["requests"] += 1
         prefill_before, reused_before = counters["prefill_tokens"], counters["reused_tokens"]
@@ -241,26 +255,29 @@ class Engine:
         def cancelled() -> bool:
             return handle.cancelled
 
-        try:
-            decode.generate(
-                self.runner,
-                self.slots,
-                self.tokenizer,
-                self.stop_token_ids,
-                handle.request,
-                emit,
-                self.fault.arm(cancelled) if self.fault else cancelled,
-                counters,
-                self.speculation,
-            )
-            if not finished:
-                counters["cancelled"] += 1
-        except (torch.OutOfMemoryError, MemoryError) as exc:
-            # decode has dropped the slot; hand its memory back before the next request.
-            log.error("generation failed: %s (%s)", OUT_OF_MEMORY, exc)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            emit(Event(error=MemoryError(OUT_OF_MEMORY)))
-        except Exception as exc:
-            log.exception("generation failed")
-            emit(Event(error=exc))
+        def finish(exc: BaseException | None) -> None:
+            if exc is None:
+                if not finished:
+                    counters["cancelled"] += 1
+            elif isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+                # decode has dropped the slot; hand its memory back before the next request.
+                log.error("generation failed: %s (%s)", OUT_OF_MEMORY, exc)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                emit(Event(error=MemoryError(OUT_OF_MEMORY)))
+            else:
+                log.error("generation failed", exc_info=exc)
+                emit(Event(error=exc))
+
+        generation = decode.generate(
+            self.runner,
+            self.slots,
+            self.tokenizer,
+            self.stop_token_ids,
+            handle.request,
+            emit,
+            self.fault.arm(cancelled) if self.fault else cancelled,
+            counters,
+            self.speculation,
+        )
+        self.batch.add(generation, finish)

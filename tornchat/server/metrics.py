@@ -82,7 +82,8 @@ class SnapshotCollector:
     def collect(self):
         snap = stats.snapshot(self.engine, self.server_stats)
         yield GaugeMetricFamily("tornchat_model_loaded", "1 once the model is loaded", value=int(snap["model_loaded"]))
-        yield GaugeMetricFamily("tornchat_queue_depth", "Requests waiting behind the running one", value=snap["queue_depth"])
+        yield GaugeMetricFamily("tornchat_queue_depth", "Requests waiting behind the running ones", value=snap["queue_depth"])
+        yield GaugeMetricFamily("tornchat_running", "Generations decoding together (at most --parallel)", value=snap["running"])
         yield GaugeMetricFamily("tornchat_kv_slots", "KV-cache slots held (after the last generation)", value=snap["kv"]["slots"])
         yield GaugeMetricFamily("tornchat_kv_bytes", "Memory of the KV-cache slots held", value=snap["kv"]["bytes"])
         engine = snap["engine"]

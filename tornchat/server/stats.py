@@ -29,6 +29,7 @@ def snapshot(engine, server: ServerStats) -> dict:
         "status": "ok",
         "model_loaded": engine is not None,
         "queue_depth": engine.queue_depth(),
+        "running": engine.running(),
         "engine": dict(engine.stats.counters),
         "server": dict(server.counters),
         "kv": {"slots": engine.stats.kv_slots, "bytes": engine.stats.kv_bytes},

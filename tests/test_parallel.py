@@ -1,0 +1,88 @@
+"""Parallel requests decoded together (Engine(parallel=N), --parallel): one forward serves every running
+generation, and each reply is the one its request gets alone (the C++ forward computes every row by itself)."""
+import queue
+
+import pytest
+
+from tornchat import prompt
+from tornchat.engine import speculate
+from tornchat.engine.slots import SlotPool
+from tornchat.engine.types import GenerationRequest, SamplingParams
+from tornchat.engine.worker import Engine
+
+from runners import lean
+
+CHEAP = speculate.Costs((1.0, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3, 1.35))  # drafts whenever there are any
+TEXTS = ["Name three colors.", "Write a haiku about the sea.", "What is 12 times 12?", "Give me a tip for learning to cook."]
+
+
+@pytest.fixture(scope="module")
+def runner(smol):
+    return lean(smol.model, "int4")
+
+
+def requests(smol) -> list[GenerationRequest]:
+    ids = [prompt.encode(smol.tokenizer, prompt.render(smol.tokenizer, [{"role": "user", "content": t}])) for t in TEXTS]
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    return [
+        GenerationRequest(ids[0], sampling=SamplingParams(temperature=0.0), max_tokens=24),
+        GenerationRequest(ids[1], sampling=seeded, max_tokens=24),
+        # drafts from a prediction: its verifies' rows go into the same forwards as the others' steps
+        GenerationRequest(ids[2], sampling=SamplingParams(temperature=0.0), max_tokens=24,
+                          prediction_ids=smol.tokenizer("12 times 12 is 144.")["input_ids"]),
+        GenerationRequest(ids[3], sampling=seeded, max_tokens=24, stop=("cook",)),
+    ]
+
+
+def engine(runner, smol, parallel: int) -> Engine:
+    stops = prompt.stop_token_ids(smol.tokenizer, smol.generation_config)
+    return Engine(runner, smol.tokenizer, stops, SlotPool(runner, 4, 1 << 30), speculation=CHEAP, parallel=parallel)
+
+
+def reply(events) -> tuple:
+    return tuple(t for e in events for t in e.token_ids), "".join(e.text for e in events), events[-1].finish_reason
+
+
+def together(engine: Engine, batch: list[GenerationRequest], cancel: int | None = None) -> list[tuple | None]:
+    """Every request submitted at once; their replies (None for the one cancelled after its first text)."""
+    inboxes = [queue.SimpleQueue() for _ in batch]
+    handles = [engine.submit(request, inbox.put) for request, inbox in zip(batch, inboxes)]
+    replies = []
+    for i, (handle, inbox) in enumerate(zip(handles, inboxes)):
+        events = [inbox.get(timeout=120)]
+        if i == cancel:
+            engine.withdraw(handle)
+            replies.append(None)
+            continue
+        while not events[-1].is_last:
+            events.append(inbox.get(timeout=120))
+        replies.append(reply(events))
+    return replies
+
+
+def test_concurrent_requests_get_the_replies_they_get_alone(smol, runner):
+    batch = requests(smol)
+    solo = engine(runner, smol, parallel=1)
+    alone = [reply(list(solo.generate(request))) for request in batch]
+    solo.close()
+    parallel = engine(runner, smol, parallel=4)
+    try:
+        assert together(parallel, batch) == alone
+        assert parallel.batch.largest == 4  # they did share forwards
+        assert parallel.stats.counters["completed"] == 4
+        # One cancelled after its first text leaves the batch; the others' replies do not change.
+        got = together(parallel, batch, cancel=1)
+        assert got[1] is None and [g for i, g in enumerate(got) if i != 1] == [a for i, a in enumerate(alone) if i != 1]
+    finally:
+        parallel.close()
+
+
+def test_more_requests_than_parallel_wait_their_turn(smol, runner):
+    batch = requests(smol)
+    two = engine(runner, smol, parallel=2)
+    try:
+        solo_replies = [reply(list(two.generate(request))) for request in batch]
+        assert together(two, batch) == solo_replies
+        assert two.batch.largest == 2
+    finally:
+        two.close()
