@@ -83,11 +83,6 @@ class SlotPool:
         self.spelling = spelling
         self.slots: list[Slot] = []
 
-    def use(self, runner: Runner) -> None:
-        """Caches from now on come from runner (one in another format: the measured one); the old ones go."""
-        self.runner = runner
-        self.slots.clear()
-
     def acquire(self, prompt: list[int]) -> tuple[Slot, int, list[int]]:
         """The slot to generate in, truncated to what it shares with the prompt.
 

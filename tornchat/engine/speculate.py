@@ -53,6 +53,12 @@ class Costs:
 
     relative: tuple[float, ...]
 
+    def __post_init__(self):
+        # A verify of more rows reads the same weights and does more work: never cheaper than fewer rows, nor
+        # than one step. A timing that says otherwise is noise (a start on a busy machine); kept, it would make
+        # every draft look free.
+        object.__setattr__(self, "relative", tuple(float(r) for r in np.maximum.accumulate(np.maximum(self.relative, 1.0))))
+
     def best_draft(self, acceptance: float, available: int) -> int:
         """The draft length with the most tokens per unit of cost, if that beats a plain step by MIN_GAIN: a
         verify of k drafts yields 1 + a + ... + a^k tokens on average when each is accepted with probability a."""
