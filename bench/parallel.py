@@ -27,7 +27,7 @@ from tornchat import checkpoint  # noqa: E402
 
 PROMPTS = [
     "Write a long story about a dragon who learns to bake bread.",
-    "Explain in detail how a bicycle works, part by part.",
+    "Write a long story about a robot who learns to paint.",
     "Describe a walk through a busy market in a foreign city.",
     "Write a detailed guide to planting a vegetable garden.",
 ]
