@@ -6,6 +6,7 @@ import torch
 
 from tornchat import prompt
 from tornchat.engine import GenerationRequest, PromptTooLong, QueueFull, SamplingParams
+from tornchat.engine.model import HFRunner
 from tornchat.engine.slots import SlotPool
 
 from conftest import make_engine
@@ -120,6 +121,25 @@ def test_slots_are_bounded_by_count_and_evict_least_recently_used(tiny_model, to
         assert engine.stats.last_prefill_tokens == 1
     finally:
         engine.close()
+
+
+def test_running_slots_are_never_taken_over_nor_dropped(tiny_model):
+    """Generations running together each keep their slot: a second request with the same prefix copies it, the
+    pool holds more than max_slots while they all run, and comes back to max_slots once they end."""
+    pool = SlotPool(HFRunner(tiny_model), 1, 1 << 30)
+    first, reused, _ = pool.acquire([1, 2, 3])
+    first.tokens.extend([1, 2, 3])
+    second, reused, _ = pool.acquire([1, 2, 3, 4])
+    assert second is not first and reused == 3 and second.tokens == [1, 2, 3]  # a copy of the running slot's prefix
+    assert len(pool.slots) == 2 and first in pool.slots  # over max_slots: neither running slot was dropped
+    pool.enforce_budget()
+    assert len(pool.slots) == 2
+    pool.release(first)
+    pool.enforce_budget()
+    assert pool.slots == [second]
+    pool.release(second)
+    again, reused, _ = pool.acquire([1, 2, 3, 4, 5])
+    assert again is second and reused == 3  # an idle slot is taken over as before
 
 
 def test_slots_are_bounded_by_memory(tiny_model, tokenizer):
@@ -245,7 +265,6 @@ def test_model_failure_reports_error_event_and_engine_recovers(tiny_model, token
 
 
 def test_slot_pool_rejects_zero_slots(tiny_model):
-    from tornchat.engine.model import HFRunner
 
     with pytest.raises(ValueError):
         SlotPool(HFRunner(tiny_model), 0, 1 << 20)
@@ -286,7 +305,6 @@ def test_realign_takes_the_cached_ids_while_they_spell_the_same_bytes():
 
 
 def test_resent_text_that_tokenizes_differently_still_reuses_the_slot(tiny_model, tokenizer):
-    from tornchat.engine.model import HFRunner
     from tornchat.engine.worker import Engine
     from tornchat.kernels.stopcheck import prompt_bytes
 

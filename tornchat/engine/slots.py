@@ -132,6 +132,8 @@ class SlotPool:
         return sum(self.runner.cache_bytes(s.cache) for s in self.slots)
 
     def enforce_budget(self) -> None:
-        """Drop least recently used idle slots until the pool fits max_bytes (running ones stay)."""
-        while self.total_bytes() > self.max_bytes and (idle := [s for s in self.slots if not s.busy]):
+        """Drop least recently used idle slots until the pool fits max_slots and max_bytes (running ones stay:
+        while more generations run than there are slots, the pool is larger for a while)."""
+        while (len(self.slots) > self.max_slots or self.total_bytes() > self.max_bytes) and (
+                idle := [s for s in self.slots if not s.busy]):
             self.slots.remove(min(idle, key=lambda s: s.last_used))
