@@ -85,6 +85,22 @@ def test_later_choices_reuse_the_prompt_prefill(server, client):
     assert reused >= 2 * (prompt_tokens - 1), (reused, prompt_tokens)
 
 
+def test_each_choice_has_its_own_grammar_and_call_parser(client):
+    weather = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+    request = {
+        **ask("What is the weather in Paris?"), "max_tokens": 12,
+        "tools": [{"type": "function", "function": weather}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
+    reply = client.chat.completions.create(**request, n=2)
+    for index, choice in enumerate(reply.choices):
+        alone = client.chat.completions.create(**{**request, "seed": SEED + index}).choices[0]
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        assert call.function.arguments == alone.message.tool_calls[0].function.arguments
+        assert choice.finish_reason == alone.finish_reason
+
+
 def test_greedy_choices_are_identical(client):
     reply = client.chat.completions.create(**{**ask("Name a fruit."), "temperature": 0, "seed": None}, n=2)
     assert reply.choices[0].message.content == reply.choices[1].message.content

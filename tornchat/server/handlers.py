@@ -15,7 +15,7 @@ from tornado.web import HTTPError, RequestHandler, stream_request_body
 
 from tornchat import MODEL_ID, functions, prompt, reasoning
 from tornchat.engine.grammar import Grammar, GrammarError
-from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, QueueFull
+from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, QueueFull, Usage
 from tornchat.engine.worker import Handle
 from tornchat.functions import Piece
 from tornchat.kernels.stopcheck import spellings
@@ -62,14 +62,19 @@ class Choice:
 
 def choices(generation: GenerationRequest, n: int, reply, parser) -> list[Choice]:
     """n choices of one prompt. Choice i samples with the request's seed + i (choice 0 as the request alone
-    would), or its own random seed where the request gives none; reply(index, first) makes each reply."""
+    would), or its own random seed where the request gives none; reply(index, first) makes each reply.
+    The grammar and the parser keep a generation's position, so each choice has its own: copies made
+    before any token, which are fresh ones."""
     first = reply(0, None)
     made = [Choice(0, generation, first, parser)]
     seed = generation.sampling.seed
     for index in range(1, n):
-        sampling = dataclasses.replace(generation.sampling, seed=None if seed is None else (seed + index) % SEED_MODULUS)
-        # The parser has seen nothing yet, so a copy is a fresh one.
-        made.append(Choice(index, dataclasses.replace(generation, sampling=sampling), reply(index, first), copy.deepcopy(parser)))
+        own = dataclasses.replace(
+            generation,
+            sampling=dataclasses.replace(generation.sampling, seed=None if seed is None else (seed + index) % SEED_MODULUS),
+            grammar=generation.grammar.copy() if generation.grammar is not None else None,
+        )
+        made.append(Choice(index, own, reply(index, first), copy.deepcopy(parser)))
     return made
 
 
@@ -272,7 +277,7 @@ class GenerationHandler(BaseHandler):
         """Every choice has had its last event."""
         return all(choice.last is not None for choice in self.choices)
 
-    def usage_of_all(self):
+    def usage_of_all(self) -> Usage:
         return replies.total_usage([choice.last.usage for choice in self.choices])
 
     def too_long(self, exc: PromptTooLong) -> APIError:
