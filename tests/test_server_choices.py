@@ -6,6 +6,7 @@ prompt's KV slot from choice 0 instead of prefilling it again. Replies are kept
 to a few tokens: each choice costs real decode steps on a 2-core machine.
 """
 import json
+import time
 
 import pytest
 
@@ -106,6 +107,23 @@ def test_greedy_choices_are_identical(client):
     assert reply.choices[0].message.content == reply.choices[1].message.content
 
 
+def test_a_client_that_leaves_withdraws_every_choice(server):
+    before = server.health()["engine"]
+    conn = servers.connect(server.url)
+    body = {**ask("Write a long story about a dragon."), "max_tokens": 400, "n": 3, "stream": True}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    data = servers.sse_data(conn.getresponse())
+    # The choices' role chunks, then text: choice 0 has started, so the other two are submitted.
+    while not json.loads(next(data))["choices"][0]["delta"].get("content"):
+        pass
+    conn.close()
+    deadline = time.monotonic() + 120
+    while (engine := server.health()["engine"])["cancelled"] < before["cancelled"] + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine["cancelled"] == before["cancelled"] + 3 and engine["completed"] == before["completed"]
+    assert engine["decode_steps"] - before["decode_steps"] < 100
+
+
 def test_completions_take_n(client):
     request = {"model": "m", "prompt": "The owl is", "max_tokens": 8, "temperature": 1.0, "seed": SEED}
     reply = client.completions.create(**request, n=2)
@@ -122,3 +140,7 @@ def test_n_out_of_bounds_is_400_naming_n(server, path, n, message):
     body = {**ask("hi"), "n": n} if path == "/v1/chat/completions" else {"model": "m", "prompt": "hi", "n": n}
     reply = post(server, path, body)
     assert reply.status == 400 and message in reply.json()["detail"]
+
+
+def test_server_logged_no_tracebacks(server):
+    assert "Traceback" not in server.log() and " ERROR " not in server.log()

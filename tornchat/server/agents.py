@@ -15,7 +15,7 @@ from tornchat.engine.types import Usage
 from tornchat.functions import Piece
 from tornchat.server import sse
 from tornchat.server.errors import APIError
-from tornchat.server.handlers import Choice, GenerationHandler, _pieces, failure
+from tornchat.server.handlers import ChoiceState, GenerationHandler, _pieces, failure
 
 log = logging.getLogger("tornchat.server")
 
@@ -41,7 +41,7 @@ def _records(events: Events) -> bytes:
 class AgentHandler(GenerationHandler):
     """GenerationHandler with the reply in named events (streamed) or one body (not)."""
 
-    async def _complete(self, choices: list[Choice]) -> None:
+    async def _complete(self, choices: list[ChoiceState]) -> None:
         (choice,) = choices  # these APIs take no n
         reply, parser = choice.reply, choice.parser
         async for _, event in self._events():
@@ -55,7 +55,7 @@ class AgentHandler(GenerationHandler):
                 self.finished(reply, event)
                 self.write_json(reply.body(event.finish_reason, event.usage))
 
-    async def _stream(self, choices: list[Choice], include_usage: bool = False) -> None:
+    async def _stream(self, choices: list[ChoiceState], include_usage: bool = False) -> None:
         (choice,) = choices
         reply, parser = choice.reply, choice.parser
         self.server_stats.counters["streams"] += 1

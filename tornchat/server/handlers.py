@@ -45,7 +45,7 @@ def failure(error: BaseException) -> tuple[int, str]:
 
 
 @dataclass
-class Choice:
+class ChoiceState:
     """One of a request's n choices: its own generation, reply and parser state."""
 
     index: int
@@ -60,13 +60,13 @@ class Choice:
         return self.handle is not None and self.last is None
 
 
-def choices(generation: GenerationRequest, n: int, reply, parser) -> list[Choice]:
+def choices(generation: GenerationRequest, n: int, reply, parser) -> list[ChoiceState]:
     """n choices of one prompt. Choice i samples with the request's seed + i (choice 0 as the request alone
     would), or its own random seed where the request gives none; reply(index, first) makes each reply.
     The grammar and the parser keep a generation's position, so each choice has its own: copies made
     before any token, which are fresh ones."""
     first = reply(0, None)
-    made = [Choice(0, generation, first, parser)]
+    made = [ChoiceState(0, generation, first, parser)]
     seed = generation.sampling.seed
     for index in range(1, n):
         own = dataclasses.replace(
@@ -74,7 +74,7 @@ def choices(generation: GenerationRequest, n: int, reply, parser) -> list[Choice
             sampling=dataclasses.replace(generation.sampling, seed=None if seed is None else (seed + index) % SEED_MODULUS),
             grammar=generation.grammar.copy() if generation.grammar is not None else None,
         )
-        made.append(Choice(index, own, reply(index, first), copy.deepcopy(parser)))
+        made.append(ChoiceState(index, own, reply(index, first), copy.deepcopy(parser)))
     return made
 
 
@@ -198,7 +198,7 @@ class GenerationHandler(BaseHandler):
 
     def prepare(self) -> None:
         super().prepare()
-        self.choices: list[Choice] = []
+        self.choices: list[ChoiceState] = []
         self.ended = False  # withdrawn (client gone, shutdown, handler done): submit no more choices
         self.usage = None  # for the access log
         self.first_token_at: float | None = None
@@ -239,9 +239,9 @@ class GenerationHandler(BaseHandler):
             return []
         return self.engine.tokenizer(request.prediction, add_special_tokens=False)["input_ids"]
 
-    async def generate(self, choices: list[Choice], request: validate.Request) -> None:
+    async def generate(self, choices: list[ChoiceState], request: validate.Request) -> None:
         """Generate every choice; only choice 0 is submitted here (``_events`` submits the rest)."""
-        self.events: Queue[tuple[Choice, Event] | None] = Queue()
+        self.events: Queue[tuple[ChoiceState, Event] | None] = Queue()
         self.choices = choices
         try:
             self._submit(choices[0])
@@ -260,11 +260,11 @@ class GenerationHandler(BaseHandler):
         finally:
             in_flight.discard(self)
 
-    def _submit(self, choice: Choice) -> None:
+    def _submit(self, choice: ChoiceState) -> None:
         loop = IOLoop.current()
         choice.handle = self.engine.submit(choice.generation, lambda event: loop.add_callback(self.events.put_nowait, (choice, event)))
 
-    def _submit_later(self, choice: Choice) -> None:
+    def _submit_later(self, choice: ChoiceState) -> None:
         """Submit a choice after choice 0; a full queue fails that choice as a generation failure would."""
         try:
             self._submit(choice)
@@ -331,7 +331,7 @@ class GenerationHandler(BaseHandler):
         except GrammarError as exc:  # each schema compiled alone (validate); together they should too
             raise invalid(f"functions / response_format: the schemas cannot be enforced together: {exc}") from None
 
-    async def _complete(self, choices: list[Choice]) -> None:
+    async def _complete(self, choices: list[ChoiceState]) -> None:
         async for choice, event in self._events():
             if event.error is not None:
                 status, message = failure(event.error)  # the engine has logged it
@@ -343,7 +343,7 @@ class GenerationHandler(BaseHandler):
                 self.usage = self.usage_of_all()
                 self.write_json(replies.completion([(c.reply, c.last.finish_reason) for c in choices], self.usage))
 
-    async def _stream(self, choices: list[Choice], include_usage: bool) -> None:
+    async def _stream(self, choices: list[ChoiceState], include_usage: bool) -> None:
         self.server_stats.counters["streams"] += 1
         self.set_header("Content-Type", "text/event-stream; charset=utf-8")
         self.set_header("Cache-Control", "no-cache")
