@@ -200,7 +200,7 @@ INVALID = [
     ({**GREEDY, "max_length": 1.0}, "max_length"),
     ({**GREEDY, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({**GREEDY, "stop": [1]}, "stop"),
-    ({**GREEDY, "n": 2}, "n must be 1"),
+    ({**GREEDY, "n": 17}, "n must be at most 16"),
     ({**GREEDY, "n": True}, "n"),
     ({**GREEDY, "seed": "x"}, "seed"),
     ({**GREEDY, "stream": "yes"}, "stream"),

@@ -203,7 +203,7 @@ INVALID = [
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ("/v1/completions", {**COMPLETION, "suffix": "and so on"}, "suffix"),
-    ("/v1/completions", {**COMPLETION, "n": 2}, "n must be 1"),
+    ("/v1/completions", {**COMPLETION, "n": 0}, "n must be at least 1"),
     ("/v1/completions", {**COMPLETION, "best_of": 3}, "best_of must be 1"),
     ("/v1/completions", {**COMPLETION, "echo": True}, "echo must be false"),
     ("/v1/completions", {**COMPLETION, "logprobs": True}, "logprobs must be an integer"),

@@ -73,6 +73,10 @@ class Grammar:
         self.bitmask = allocate_token_bitmask(1, vocab_size)  # llguidance's: one bit per token
         self.allowed = torch.ones(vocab_size, dtype=torch.bool)  # one bool per token, from the last fill_mask
 
+    def copy(self) -> "Grammar":
+        """Another generation's grammar at this one's position (at the start: a fresh one, without compiling again)."""
+        return Grammar(self.matcher.deep_copy(), self.vocab_size)
+
     def fill_mask(self) -> None:
         """Compute the allowed tokens on the CPU (llguidance drops the GIL meanwhile).
 

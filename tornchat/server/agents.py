@@ -15,7 +15,7 @@ from tornchat.engine.types import Usage
 from tornchat.functions import Piece
 from tornchat.server import sse
 from tornchat.server.errors import APIError
-from tornchat.server.handlers import GenerationHandler, _pieces, failure
+from tornchat.server.handlers import ChoiceState, GenerationHandler, _pieces, failure
 
 log = logging.getLogger("tornchat.server")
 
@@ -41,8 +41,10 @@ def _records(events: Events) -> bytes:
 class AgentHandler(GenerationHandler):
     """GenerationHandler with the reply in named events (streamed) or one body (not)."""
 
-    async def _complete(self, reply: EventReply, parser) -> None:
-        async for event in self._events():
+    async def _complete(self, choices: list[ChoiceState]) -> None:
+        (choice,) = choices  # these APIs take no n
+        reply, parser = choice.reply, choice.parser
+        async for _, event in self._events():
             if event.error is not None:
                 status, message = failure(event.error)  # the engine has logged it
                 raise APIError(status, message, {"Retry-After": "1"} if status == 503 else None)
@@ -53,7 +55,9 @@ class AgentHandler(GenerationHandler):
                 self.finished(reply, event)
                 self.write_json(reply.body(event.finish_reason, event.usage))
 
-    async def _stream(self, reply: EventReply, parser, include_usage: bool = False) -> None:
+    async def _stream(self, choices: list[ChoiceState], include_usage: bool = False) -> None:
+        (choice,) = choices
+        reply, parser = choice.reply, choice.parser
         self.server_stats.counters["streams"] += 1
         self.set_header("Content-Type", "text/event-stream; charset=utf-8")
         self.set_header("Cache-Control", "no-cache")
@@ -62,7 +66,7 @@ class AgentHandler(GenerationHandler):
         try:
             async for batch in self._batches():
                 events: Events = []
-                for event in batch:
+                for _, event in batch:
                     if event.error is not None:
                         status, message = failure(event.error)
                         await self._send(_records(events + reply.failed(status, "Generation failed" if status == 500 else message)))

@@ -1,8 +1,11 @@
 """Request handlers. Cross-cutting checks (auth, CORS) live in BaseHandler.prepare;
 every error is raised as an HTTPError and rendered by the one write_error.
 """
+import copy
+import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 
 import orjson
 from tornado.ioloop import IOLoop
@@ -12,15 +15,18 @@ from tornado.web import HTTPError, RequestHandler, stream_request_body
 
 from tornchat import MODEL_ID, functions, prompt, reasoning
 from tornchat.engine.grammar import Grammar, GrammarError
-from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, QueueFull
+from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, QueueFull, Usage
+from tornchat.engine.worker import Handle
 from tornchat.functions import Piece
 from tornchat.kernels.stopcheck import spellings
 from tornchat.server import auth, openapi, replies, sse, stats, validate
 from tornchat.server.errors import APIError, invalid
+from tornchat.server.validate import SEED_MODULUS
 
 log = logging.getLogger("tornchat.server")
 
 STATUS_DETAILS = {404: "Not found", 405: "Method not allowed"}
+BUSY = "Server busy: too many requests are waiting; retry shortly"
 
 
 class ShuttingDown(Exception):
@@ -33,7 +39,43 @@ def failure(error: BaseException) -> tuple[int, str]:
         return 503, "The device ran out of memory during generation; the request was dropped. Retry, or send a shorter conversation"
     if isinstance(error, ShuttingDown):
         return 503, "Server shutting down; retry shortly"
+    if isinstance(error, QueueFull):  # a later choice of n found the queue full
+        return 503, BUSY
     return 500, "Internal server error"
+
+
+@dataclass
+class ChoiceState:
+    """One of a request's n choices: its own generation, reply and parser state."""
+
+    index: int
+    generation: GenerationRequest
+    reply: object  # replies.Reply, TextReply or an agents.EventReply
+    parser: object  # None: all the text is content
+    handle: Handle | None = None  # None: not submitted yet
+    last: Event | None = None  # its last event, once the handler has taken it
+
+    @property
+    def running(self) -> bool:
+        return self.handle is not None and self.last is None
+
+
+def choices(generation: GenerationRequest, n: int, reply, parser) -> list[ChoiceState]:
+    """n choices of one prompt. Choice i samples with the request's seed + i (choice 0 as the request alone
+    would), or its own random seed where the request gives none; reply(index, first) makes each reply.
+    The grammar and the parser keep a generation's position, so each choice has its own: copies made
+    before any token, which are fresh ones."""
+    first = reply(0, None)
+    made = [ChoiceState(0, generation, first, parser)]
+    seed = generation.sampling.seed
+    for index in range(1, n):
+        own = dataclasses.replace(
+            generation,
+            sampling=dataclasses.replace(generation.sampling, seed=None if seed is None else (seed + index) % SEED_MODULUS),
+            grammar=generation.grammar.copy() if generation.grammar is not None else None,
+        )
+        made.append(ChoiceState(index, own, reply(index, first), copy.deepcopy(parser)))
+    return made
 
 
 class BaseHandler(RequestHandler):
@@ -150,13 +192,14 @@ class GenerationHandler(BaseHandler):
     it all. Engine events arrive from the worker thread through
     IOLoop.add_callback into a Queue; a client that leaves withdraws its
     request from the engine. Subclasses turn the body into a
-    GenerationRequest and a reply (replies.Reply or TextReply) in ``post``.
+    GenerationRequest and a reply (replies.Reply or TextReply) in ``post``,
+    one per choice where the request asks for n.
     """
 
     def prepare(self) -> None:
         super().prepare()
-        self.handle = None
-        self.generating = False
+        self.choices: list[ChoiceState] = []
+        self.ended = False  # withdrawn (client gone, shutdown, handler done): submit no more choices
         self.usage = None  # for the access log
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -196,26 +239,46 @@ class GenerationHandler(BaseHandler):
             return []
         return self.engine.tokenizer(request.prediction, add_special_tokens=False)["input_ids"]
 
-    async def generate(self, generation: GenerationRequest, reply, parser, request: validate.Request) -> None:
-        self.events: Queue[Event | None] = Queue()
-        loop = IOLoop.current()
+    async def generate(self, choices: list[ChoiceState], request: validate.Request) -> None:
+        """Generate every choice; only choice 0 is submitted here (``_events`` submits the rest)."""
+        self.events: Queue[tuple[ChoiceState, Event] | None] = Queue()
+        self.choices = choices
         try:
-            self.handle = self.engine.submit(generation, lambda event: loop.add_callback(self.events.put_nowait, event))
+            self._submit(choices[0])
         except PromptTooLong as exc:
             raise self.too_long(exc) from None
         except QueueFull:
-            raise APIError(503, "Server busy: too many requests are waiting; retry shortly", {"Retry-After": "1"}) from None
-        self.generating = True
-        self.settings["metrics"].observe_options(generation)
+            raise APIError(503, BUSY, {"Retry-After": "1"}) from None
+        self.settings["metrics"].observe_options(choices[0].generation)
         in_flight = self.settings["in_flight"]
         in_flight.add(self)
         try:
             if request.stream:
-                await self._stream(reply, parser, request.include_usage)
+                await self._stream(choices, request.include_usage)
             else:
-                await self._complete(reply, parser)
+                await self._complete(choices)
         finally:
             in_flight.discard(self)
+
+    def _submit(self, choice: ChoiceState) -> None:
+        loop = IOLoop.current()
+        choice.handle = self.engine.submit(choice.generation, lambda event: loop.add_callback(self.events.put_nowait, (choice, event)))
+
+    def _submit_later(self, choice: ChoiceState) -> None:
+        """Submit a choice after choice 0; a full queue fails that choice as a generation failure would."""
+        try:
+            self._submit(choice)
+        except QueueFull as exc:
+            # A handle the engine never saw: the choice counts as submitted, and its failure comes as any other.
+            choice.handle = Handle(choice.generation, lambda event: None)
+            self.events.put_nowait((choice, Event(error=exc)))
+
+    def done(self) -> bool:
+        """Every choice has had its last event."""
+        return all(choice.last is not None for choice in self.choices)
+
+    def usage_of_all(self) -> Usage:
+        return replies.total_usage([choice.last.usage for choice in self.choices])
 
     def too_long(self, exc: PromptTooLong) -> APIError:
         """The error for a prompt that leaves no room for a reply; it names the prompt's tokens and the context."""
@@ -268,41 +331,45 @@ class GenerationHandler(BaseHandler):
         except GrammarError as exc:  # each schema compiled alone (validate); together they should too
             raise invalid(f"functions / response_format: the schemas cannot be enforced together: {exc}") from None
 
-    async def _complete(self, reply: replies.Reply, parser) -> None:
-        async for event in self._events():
+    async def _complete(self, choices: list[ChoiceState]) -> None:
+        async for choice, event in self._events():
             if event.error is not None:
                 status, message = failure(event.error)  # the engine has logged it
                 raise APIError(status, message, {"Retry-After": "1"} if status == 503 else None)
-            reply.add_logprobs(event.logprobs)
-            for piece in _pieces(parser, event):
-                reply.add(piece)
-            if event.is_last:
-                self.usage = event.usage
-                self.write_json(reply.completion(event.finish_reason, event.usage))
+            choice.reply.add_logprobs(event.logprobs)
+            for piece in _pieces(choice.parser, event):
+                choice.reply.add(piece)
+            if self.done():
+                self.usage = self.usage_of_all()
+                self.write_json(replies.completion([(c.reply, c.last.finish_reason) for c in choices], self.usage))
 
-    async def _stream(self, reply: replies.Reply, parser, include_usage: bool) -> None:
+    async def _stream(self, choices: list[ChoiceState], include_usage: bool) -> None:
         self.server_stats.counters["streams"] += 1
         self.set_header("Content-Type", "text/event-stream; charset=utf-8")
         self.set_header("Cache-Control", "no-cache")
-        # The opening record (or at least the headers) goes out now, before the first token.
-        if not await self._send(b"".join(sse.record(chunk) for chunk in reply.opening())):
+        # The opening records (or at least the headers) go out now, before the first token.
+        if not await self._send(b"".join(sse.record(chunk) for choice in choices for chunk in choice.reply.opening())):
             return
+        finished = 0
         try:
             async for batch in self._batches():
                 records = []
-                for event in batch:
+                for choice, event in batch:
+                    reply = choice.reply
                     if event.error is not None:
                         status, message = failure(event.error)
                         records.append(sse.error_record("Generation failed" if status == 500 else message, "server_error"))
                         await self._send(b"".join(records) + sse.DONE)
                         return
                     reply.add_logprobs(event.logprobs)  # sent with the next chunk
-                    records += [sse.record(reply.chunk(delta)) for p in _pieces(parser, event) if (delta := reply.add(p))]
+                    records += [sse.record(reply.chunk(delta)) for p in _pieces(choice.parser, event) if (delta := reply.add(p))]
                     if event.is_last:
-                        self.usage = event.usage
+                        finished += 1
                         records.append(sse.record(reply.chunk({}, reply.finish_reason(event.finish_reason))))
+                    if finished == len(choices):  # counted here: a batch's choices are all marked done before it is read
+                        self.usage = self.usage_of_all()
                         if include_usage:
-                            records.append(sse.record(reply.usage_chunk(event.usage)))
+                            records.append(sse.record(reply.usage_chunk(self.usage)))
                         records.append(sse.DONE)
                 if records and not await self._send(b"".join(records)):
                     return
@@ -311,9 +378,16 @@ class GenerationHandler(BaseHandler):
             await self._send(sse.error_record("Internal server error", "server_error") + sse.DONE)
 
     async def _events(self):
-        """Engine events for this request, ending with the last one or when the client leaves."""
+        """(choice, event) for this request's choices as they come, until every choice has had its last
+        event or the client leaves. Choices after the first are submitted once choice 0 sends its first
+        event: its prompt is then in its KV slot, which they fork instead of prefilling the prompt again."""
         inter_token = self.settings["metrics"].inter_token
-        while (event := await self.events.get()) is not None:
+        while (item := await self.events.get()) is not None:
+            choice, event = item
+            if not self.ended:
+                for later in self.choices:
+                    if later.handle is None:
+                        self._submit_later(later)
             if event.text:
                 now = time.time()
                 if self.last_token_at is None:
@@ -321,9 +395,10 @@ class GenerationHandler(BaseHandler):
                 else:
                     inter_token.observe(now - self.last_token_at)
                 self.last_token_at = now
-            yield event
             if event.is_last:
-                self.generating = False
+                choice.last = event
+            yield choice, event
+            if self.done():
                 return
 
     async def _batches(self):
@@ -331,9 +406,9 @@ class GenerationHandler(BaseHandler):
         At hundreds of tokens a second (a GPU) a write per token would fall behind the engine; this way one
         write carries whatever is waiting, and a client that keeps up still gets each token as it comes."""
         batch = []
-        async for event in self._events():
-            batch.append(event)
-            if event.is_last or self.events.empty():
+        async for choice, event in self._events():
+            batch.append((choice, event))
+            if self.done() or self.events.empty():
                 yield batch
                 batch = []
 
@@ -347,29 +422,34 @@ class GenerationHandler(BaseHandler):
             self._withdraw()
             return False
 
+    def _cancel(self) -> bool:
+        """Withdraw every choice still generating, and submit no more; whether any was generating."""
+        if self.ended or not any(choice.running for choice in self.choices):
+            return False
+        self.ended = True
+        for choice in self.choices:
+            if choice.running:
+                self.engine.withdraw(choice.handle)
+        return True
+
     def _withdraw(self) -> None:
-        if self.generating:
-            self.generating = False
-            self.engine.withdraw(self.handle)
+        if self._cancel():
             self.server_stats.counters["client_disconnects"] += 1
             self.events.put_nowait(None)
 
     def shut_down(self) -> None:
         """The server is stopping: cancel the generation and answer with a 503 or a stream error record."""
-        if self.generating:
-            self.generating = False
-            self.engine.withdraw(self.handle)
-            self.events.put_nowait(Event(error=ShuttingDown()))
+        if self._cancel():
+            self.events.put_nowait((self.choices[0], Event(error=ShuttingDown())))
 
     def on_connection_close(self) -> None:
-        if getattr(self, "handle", None) is not None:
+        if getattr(self, "choices", None):
             self._withdraw()
 
     def on_finish(self) -> None:
-        # A handler that ends early for any reason must not leave its generation running.
-        if getattr(self, "handle", None) is not None and self.generating:
-            self.generating = False
-            self.engine.withdraw(self.handle)
+        # A handler that ends early for any reason must not leave its generations running.
+        if getattr(self, "choices", None):
+            self._cancel()
 
 
 class ChatCompletionsHandler(GenerationHandler):
@@ -378,7 +458,9 @@ class ChatCompletionsHandler(GenerationHandler):
     async def post(self) -> None:
         request = validate.chat_request(self.body(), self.config.max_messages, self.vocab_size)
         generation, parser = self.chat_generation(request)
-        await self.generate(generation, replies.Reply(request.call_style, self.spelling(request)), parser, request)
+        spelling = self.spelling(request)
+        reply = lambda index, first: replies.Reply(request.call_style, spelling, index, first)  # noqa: E731
+        await self.generate(choices(generation, request.n, reply, parser), request)
 
 
 class CompletionsHandler(GenerationHandler):
@@ -393,7 +475,8 @@ class CompletionsHandler(GenerationHandler):
             prompt_ids=ids, sampling=request.sampling, max_tokens=request.max_tokens, stop=request.stop,
             logprobs=request.logprobs, prediction_ids=self._prediction_ids(request),
         )
-        await self.generate(generation, replies.TextReply(self.spelling(request)), None, request)
+        spelling = self.spelling(request)
+        await self.generate(choices(generation, request.n, lambda index, first: replies.TextReply(spelling, index, first), None), request)
 
 
 def _pieces(parser, event: Event) -> list[Piece]:

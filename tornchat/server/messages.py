@@ -29,6 +29,7 @@ from tornchat.functions import Choice, Piece
 from tornchat.server import validate
 from tornchat.server.agents import AgentHandler, Events
 from tornchat.server.errors import APIError, invalid
+from tornchat.server.handlers import ChoiceState
 from tornchat.server.validate import MAX_STOP, ChatRequest
 
 ROLES = ("user", "assistant", "system")  # system: Claude Code puts one inside messages
@@ -337,7 +338,7 @@ class MessagesHandler(_Anthropic, AgentHandler):
         request = parse(data, self.config.max_messages, self.vocab_size)
         generation, parser = self.chat_generation(request)
         parallel = not (isinstance(data.get("tool_choice"), dict) and data["tool_choice"].get("disable_parallel_tool_use") is True)
-        await self.generate(generation, MessageReply(len(generation.prompt_ids), parallel), parser, request)
+        await self.generate([ChoiceState(0, generation, MessageReply(len(generation.prompt_ids), parallel), parser)], request)
 
 
 class CountTokensHandler(_Anthropic, AgentHandler):

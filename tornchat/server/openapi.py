@@ -8,7 +8,7 @@ this file and the code fails there.
 from tornchat import MODEL_ID, __version__
 from tornchat.config import Config
 from tornchat.server import auth
-from tornchat.server.validate import COMPLETION_MAX_TOKENS, EFFORTS, LOGIT_BIAS, MAX_STOP, MAX_TOP_LOGPROBS, ROLES
+from tornchat.server.validate import COMPLETION_MAX_TOKENS, EFFORTS, LOGIT_BIAS, MAX_CHOICES, MAX_STOP, MAX_TOP_LOGPROBS, ROLES
 
 
 def _optional(schema: dict) -> dict:
@@ -93,6 +93,7 @@ LEGACY_LOGPROBS = {
         "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}},
     },
 }
+CHOICE_INDEX = {"type": "integer", "minimum": 0, "maximum": MAX_CHOICES - 1}
 # Request fields both generating endpoints take.
 SAMPLING = {
     "temperature": _optional({"type": "number", "minimum": 0, "maximum": 2, "description": "Below 0.01: greedy"}),
@@ -124,7 +125,8 @@ SAMPLING = {
     }),
     "stream_options": _optional({"type": "object", "properties": {"include_usage": _optional({"type": "boolean"})}}),
     "stop": _optional({"anyOf": [{"type": "string"}, {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}}]}),
-    "n": _optional({"const": 1}),
+    "n": _optional({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES,
+                    "description": "Choices, each its own generation; with a seed, choice i samples with seed + i"}),
 }
 
 
@@ -267,12 +269,12 @@ def schemas(config: Config) -> dict:
                 "choices": {
                     "type": "array",
                     "minItems": 1,
-                    "maxItems": 1,
+                    "maxItems": MAX_CHOICES,
                     "items": {
                         "type": "object",
                         "required": ["index", "message", "finish_reason"],
                         "properties": {
-                            "index": {"const": 0},
+                            "index": CHOICE_INDEX,
                             "message": {
                                 "type": "object",
                                 "required": ["role", "content"],
@@ -304,12 +306,12 @@ def schemas(config: Config) -> dict:
                 "choices": {
                     "type": "array",
                     "maxItems": 1,
-                    "description": "Empty only in the usage chunk (stream_options.include_usage)",
+                    "description": "One choice (by its index) per chunk; empty only in the usage chunk (stream_options.include_usage)",
                     "items": {
                         "type": "object",
                         "required": ["index", "delta", "finish_reason"],
                         "properties": {
-                            "index": {"const": 0},
+                            "index": CHOICE_INDEX,
                             "delta": {
                                 "type": "object",
                                 "properties": {
@@ -363,12 +365,12 @@ def schemas(config: Config) -> dict:
                 "model": {"const": MODEL_ID},
                 "choices": {
                     "type": "array",
-                    "maxItems": 1,
+                    "maxItems": MAX_CHOICES,
                     "items": {
                         "type": "object",
                         "required": ["index", "text", "logprobs", "finish_reason"],
                         "properties": {
-                            "index": {"const": 0},
+                            "index": CHOICE_INDEX,
                             "text": {"type": "string"},
                             "logprobs": {**LEGACY_LOGPROBS, "description": "text_offset: characters from the start of the generated text"},
                             "finish_reason": {"enum": ["stop", "length", None]},

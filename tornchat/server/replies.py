@@ -4,7 +4,8 @@
 and gives both the streamed delta for each piece and the whole message at
 the end, so the two modes cannot drift apart; ``TextReply`` does the same
 for /v1/completions. Token log-probabilities, where asked for, ride on the
-next chunk sent after they arrive, and all of them on a whole reply.
+next chunk sent after they arrive, and all of them on a whole reply. A request
+for n choices has n replies that share one id (``first``), each with its index.
 """
 import secrets
 import time
@@ -38,6 +39,25 @@ def usage_body(usage: Usage) -> dict:
             "rejected_prediction_tokens": usage.rejected_prediction_tokens,
         },
     }
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    """The usage of n choices of one prompt: the prompt counted once (choice 0's), the completions summed, as OpenAI counts."""
+    first = usages[0]
+    return Usage(
+        prompt_tokens=first.prompt_tokens,
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        cached_tokens=first.cached_tokens,
+        accepted_prediction_tokens=sum(u.accepted_prediction_tokens for u in usages),
+        rejected_prediction_tokens=sum(u.rejected_prediction_tokens for u in usages),
+        reasoning_tokens=sum(u.reasoning_tokens for u in usages),
+    )
+
+
+def completion(choices: list[tuple["_Reply", str]], usage: Usage) -> dict:
+    """The whole (not streamed) reply: each choice's reply with its engine finish reason."""
+    first = choices[0][0]
+    return {**first.envelope(first.completion_object), "choices": [r.choice(reason) for r, reason in choices], "usage": usage_body(usage)}
 
 
 def _token(token_id: int, logprob: float, spelling: tuple[bytes, ...]) -> dict:
@@ -81,11 +101,12 @@ def legacy_logprobs(content: list[dict], offset: int) -> dict:
 class _Reply:
     """What both reply kinds share: id, timestamps, log-probabilities, the usage chunk."""
 
-    id_prefix = chunk_object = ""
+    id_prefix = chunk_object = completion_object = ""
 
-    def __init__(self, spelling: tuple[bytes, ...] | None):
-        self.id = self.id_prefix + secrets.token_hex(12)
-        self.created = int(time.time())
+    def __init__(self, spelling: tuple[bytes, ...] | None, index: int = 0, first: "_Reply | None" = None):
+        self.index = index
+        self.id = first.id if first else self.id_prefix + secrets.token_hex(12)
+        self.created = first.created if first else int(time.time())
         self.logprobs = None if spelling is None else Logprobs(spelling)  # None: not asked for
 
     def add_logprobs(self, entries: tuple[TokenLogprob, ...]) -> None:
@@ -110,10 +131,10 @@ class _Reply:
 class Reply(_Reply):
     """/v1/chat/completions."""
 
-    id_prefix, chunk_object = "chatcmpl-", "chat.completion.chunk"
+    id_prefix, chunk_object, completion_object = "chatcmpl-", "chat.completion.chunk", "chat.completion"
 
-    def __init__(self, call_style: str | None, spelling: tuple[bytes, ...] | None = None):
-        super().__init__(spelling)
+    def __init__(self, call_style: str | None, spelling: tuple[bytes, ...] | None = None, index: int = 0, first: "Reply | None" = None):
+        super().__init__(spelling, index, first)
         self.call_style = call_style  # "functions", "tools" or None (no functions offered)
         self.content: list[str] = []
         self.reasoning: list[str] = []  # a thinking model's thinking (tornchat/reasoning.py)
@@ -165,14 +186,14 @@ class Reply(_Reply):
             ]
         return message
 
-    def completion(self, engine_reason: str, usage: Usage) -> dict:
-        choice = {"index": 0, "message": self.message(), "finish_reason": self.finish_reason(engine_reason)}
+    def choice(self, engine_reason: str) -> dict:
+        choice = {"index": self.index, "message": self.message(), "finish_reason": self.finish_reason(engine_reason)}
         if self.logprobs is not None:
             choice["logprobs"] = {"content": self.logprobs.content}
-        return {**self.envelope("chat.completion"), "choices": [choice], "usage": usage_body(usage)}
+        return choice
 
     def chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice = {"index": self.index, "delta": delta, "finish_reason": finish_reason}
         if self.logprobs is not None and (content := self.logprobs.unsent()):
             choice["logprobs"] = {"content": content}
         return {**self.envelope(), "choices": [choice]}
@@ -186,10 +207,10 @@ def _reasoning(text: str) -> dict:
 class TextReply(_Reply):
     """/v1/completions: the same interface as Reply, in the text_completion shape."""
 
-    id_prefix, chunk_object = "cmpl-", "text_completion"
+    id_prefix, chunk_object, completion_object = "cmpl-", "text_completion", "text_completion"
 
-    def __init__(self, spelling: tuple[bytes, ...] | None = None):
-        super().__init__(spelling)
+    def __init__(self, spelling: tuple[bytes, ...] | None = None, index: int = 0, first: "TextReply | None" = None):
+        super().__init__(spelling, index, first)
         self.text: list[str] = []
         self.streamed = 0  # characters sent in chunks so far: the next chunk's text_offset starts there
 
@@ -197,15 +218,14 @@ class TextReply(_Reply):
         self.text.append(piece.text)
         return {"text": piece.text}
 
-    def completion(self, engine_reason: str, usage: Usage) -> dict:
+    def choice(self, engine_reason: str) -> dict:
         logprobs = None if self.logprobs is None else legacy_logprobs(self.logprobs.content, 0)
-        choice = {"index": 0, "text": "".join(self.text), "logprobs": logprobs, "finish_reason": engine_reason}
-        return {**self.envelope(), "choices": [choice], "usage": usage_body(usage)}
+        return {"index": self.index, "text": "".join(self.text), "logprobs": logprobs, "finish_reason": engine_reason}
 
     def chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
         text = delta.get("text", "")
         tokens = self.logprobs.unsent() if self.logprobs is not None else []
         logprobs = legacy_logprobs(tokens, self.streamed) if tokens else None
         self.streamed += len(text)
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self.envelope(), "choices": [choice]}

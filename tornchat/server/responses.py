@@ -25,6 +25,7 @@ from tornchat.functions import Choice, Format, Piece
 from tornchat.server import validate
 from tornchat.server.agents import AgentHandler, Events
 from tornchat.server.errors import APIError, invalid
+from tornchat.server.handlers import ChoiceState
 from tornchat.server.validate import FUNCTION_NAME, ChatRequest
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
@@ -414,7 +415,7 @@ class ResponsesHandler(AgentHandler):
     async def post(self) -> None:
         request, self.conversation, echo = parse(self.body(), self.config.max_messages, self.vocab_size, self.store)
         generation, parser = self.chat_generation(request)
-        await self.generate(generation, ResponseReply(echo), parser, request)
+        await self.generate([ChoiceState(0, generation, ResponseReply(echo), parser)], request)
 
     def finished(self, reply: ResponseReply, event) -> None:
         if reply.echo["store"]:

@@ -18,6 +18,7 @@ from tornchat.server.errors import invalid
 ROLES = ("system", "developer", "user", "assistant", "function", "tool")  # developer: newer clients' system
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # n: each choice is a generation of its own, queued behind the running ones
 LOGIT_BIAS = 100.0  # each bias is within +-this
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -36,6 +37,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    n: int = 1  # choices, each its own generation of the one prompt
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # None: not asked; n: with the n most likely tokens at each position
@@ -93,13 +95,13 @@ def chat_request(data: dict, max_messages: int, vocab_size: int) -> ChatRequest:
 
 
 def completion_request(data: dict, vocab_size: int) -> CompletionRequest:
-    """POST /v1/completions: one prompt, one choice, the generated text only."""
+    """POST /v1/completions: one prompt, n choices of the generated text only."""
     if _boolean(data, "echo"):
         raise invalid("echo must be false: the reply holds the generated text only")
     if _string(data, "suffix", "suffix"):
         raise invalid("suffix is not supported")
     if _integer(data, "best_of", 1) not in (None, 1):
-        raise invalid("best_of must be 1: one choice per request")
+        raise invalid("best_of must be 1: candidates are not ranked (n gives several choices)")
     max_tokens = _integer(data, "max_tokens", 1)
     return CompletionRequest(
         **_shared(data, vocab_size),
@@ -114,13 +116,11 @@ def _shared(data: dict, vocab_size: int) -> dict:
     model = data.get("model")
     if not isinstance(model, str):
         raise invalid("model is required and must be a string")
-    n = _integer(data, "n", 1)
-    if n not in (None, 1):
-        raise invalid("n must be 1: one choice per request")
     stream_options = _object(data, "stream_options")
     return {
         "sampling": _sampling(data, vocab_size),
         "stop": _stop(data.get("stop")),
+        "n": _integer(data, "n", 1, MAX_CHOICES) or 1,
         "stream": bool(_boolean(data, "stream")),
         "include_usage": bool(_boolean(stream_options, "include_usage", "stream_options.include_usage")),
         "prediction": _prediction(data.get("prediction")),
