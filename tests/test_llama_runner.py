@@ -255,9 +255,9 @@ def test_sequences_batched_together_get_what_each_gets_alone(tiny_model, isa):
     runner = lean(tiny_model, "int4", isa=isa)
     prompts = [list(range(100, 140)), list(range(300, 307)), list(range(500, 519))]
     alone, caches = [], []
-    for prompt in prompts:
+    for prompt_ids in prompts:
         cache = runner.new_cache()
-        runner.forward(prompt, cache)
+        runner.forward(prompt_ids, cache)
         caches.append(cache)
         forked = runner.fork(cache, cache.length)
         alone.append([runner.forward([7], forked, decode=True)[None], runner.verify([8, 9, 10], forked),
@@ -272,12 +272,12 @@ def test_sequences_batched_together_get_what_each_gets_alone(tiny_model, isa):
     # Mixed in one call: a verify, a prefill chunk and a step, each against the same call made alone.
     calls = [([8, 9, 10], True), (list(range(600, 620)), False), ([8], False)]
     expected = []
-    for (ids, every), prompt in zip(calls, prompts):
+    for (ids, every), prompt_ids in zip(calls, prompts):
         cache = runner.new_cache()
-        runner.forward(prompt, cache)
+        runner.forward(prompt_ids, cache)
         expected.append(runner.verify(ids, cache) if every else runner.forward(ids, cache)[None])
     mixed = [runner.new_cache() for _ in prompts]
-    runner.forward_many([(prompt, cache, False) for prompt, cache in zip(prompts, mixed)])
+    runner.forward_many([(prompt_ids, cache, False) for prompt_ids, cache in zip(prompts, mixed)])
     got = runner.forward_many([(ids, cache, every) for (ids, every), cache in zip(calls, mixed)])
     assert [g.shape[0] for g in got] == [3, 1, 1]
     assert all(torch.equal(g, e) for g, e in zip(got, expected))

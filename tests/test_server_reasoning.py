@@ -9,7 +9,6 @@ Seeded sampling: the random model's greedy text is newlines only.
 import copy
 import json
 
-import openai
 import pytest
 
 import servers

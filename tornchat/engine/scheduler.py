@@ -55,7 +55,7 @@ class Batch:
             results = self.runner.forward_many([tuple(r.pending) for r in running])
         except Exception as exc:  # the model failed: every generation in the forward fails with it
             for r in running:
-                self._advance(r.generation, r.finish, lambda r=r: r.generation.throw(exc))
+                self._advance(r.generation, r.finish, lambda r=r, exc=exc: r.generation.throw(exc))
             return
         for r, logits in zip(running, results):
             self._advance(r.generation, r.finish, lambda r=r, logits=logits: r.generation.send(logits))
