@@ -1,4 +1,5 @@
-"""Token ids in, showable text out: incremental detokenization and stop strings."""
+"""Token ids in, showable text out: incremental detokenization, stop strings, and the reply's text events."""
+from tornchat.engine.types import Event
 
 
 class Detokenizer:
@@ -71,3 +72,43 @@ class StopMatcher:
             if any(s.startswith(tail) for s in self.stops):
                 return length
         return 0
+
+
+class Outbox:
+    """A reply's tokens -> its text events: detokenized, stop strings held back, sent whenever there is text.
+
+    ``observe``: also told each token's text (a thinking budget counts the
+    thinking's tokens by it).
+    """
+
+    def __init__(self, tokenizer, keep: frozenset[int], stop: tuple[str, ...], emit, observe=None):
+        self.detok, self.stops = Detokenizer(tokenizer, keep), StopMatcher(stop)
+        self.emit, self.observe = emit, observe
+        self.text, self.ids, self.logprobs = "", [], []  # not sent yet: text, its ids, their TokenLogprobs
+
+    def push(self, token: int, logprob=None) -> bool:
+        """Add a token; True where the text now ends with a stop string (the reply ends before it)."""
+        self.ids.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+        fresh = self.detok.push(token)
+        if self.observe is not None:
+            self.observe(fresh)
+        piece, hit = self.stops.push(fresh)
+        self.text += piece
+        return hit
+
+    def send(self) -> None:
+        """Send what text there is (held-back text waits), with the ids and logprobs that wrote it."""
+        if self.text:
+            self._send(self.text)
+
+    def close(self, hit_stop_string: bool) -> None:
+        """The reply ended: send the rest, and what was held back unless it began a stop string."""
+        rest = "" if hit_stop_string else self.stops.flush()
+        if self.text or rest:
+            self._send(self.text + rest)
+
+    def _send(self, text: str) -> None:
+        self.emit(Event(text=text, token_ids=tuple(self.ids), logprobs=tuple(self.logprobs)))
+        self.text, self.ids, self.logprobs = "", [], []

@@ -1,0 +1,63 @@
+"""From a row of logits to the next token: the one place a researcher changes how a token is chosen.
+
+In order, per row: the log-probabilities the reply reports (of the raw
+logits, only when asked), the logits processors (processors.py), the grammar
+mask (structured outputs, tool calls), truncation (min_p, after the mask: it
+must not keep only banned tokens), the sampler (kernels/sampling.py, whose
+randomness is keyed by the seed and the token's index in the reply, so a
+speculative verify's rows give the same tokens as steps); a thinking
+budget that is spent forces the closing tag instead.
+"""
+import secrets
+
+import torch
+
+from tornchat.engine import logprobs, processors, thinking
+from tornchat.engine.types import GenerationRequest, TokenLogprob
+from tornchat.kernels import sample
+
+
+class Chooser:
+    def __init__(self, request: GenerationRequest, prompt: list[int], vocab_size: int, device: torch.device, tokenizer):
+        params = self.params = request.sampling
+        self.temperature = torch.tensor([params.temperature], dtype=torch.float32, device=device)
+        # A top_k past the vocabulary restricts nothing; clamping keeps it in the kernel's int32.
+        self.top_k = torch.tensor([min(params.top_k, vocab_size)], dtype=torch.int32, device=device)
+        self.top_p = torch.tensor([params.top_p], dtype=torch.float32, device=device)
+        seed = secrets.randbits(62) if params.seed is None else params.seed
+        self.seed = torch.tensor([seed], dtype=torch.int64, device=device)
+        self.top_logprobs = request.logprobs
+        self.history = processors.History(prompt)
+        self.grammar = request.grammar
+        self.thinking = thinking.Budget(request.thinking, tokenizer) if request.thinking is not None else None
+        self.prepare()
+
+    def prepare(self) -> None:
+        """Ready the grammar's mask for the next row (on CUDA, while the forward's kernels run)."""
+        if self.grammar is not None:
+            self.grammar.fill_mask()
+
+    def choose(self, logits: torch.Tensor, index: int) -> tuple[int, torch.Tensor | None]:
+        """The token at position ``index`` of the reply, and the raw distribution when logprobs are asked."""
+        distribution = logprobs.distribution(logits) if self.top_logprobs is not None else None
+        logits = processors.apply(logits, self.params, self.history)
+        if self.grammar is not None:
+            logits = self.grammar.apply(logits)  # tokens that leave the grammar: -inf
+        logits = processors.truncate(logits, self.params)
+        token_ids, _ = sample(logits[None, :], self.temperature, self.top_k, self.top_p, self.seed, index)
+        token = int(token_ids[0])
+        if self.thinking is not None and (forced := self.thinking.forced()) is not None:
+            token = forced
+        self.history.append(token)
+        return token, distribution
+
+    def accept(self, token: int, distribution: torch.Tensor | None) -> tuple[bool, TokenLogprob | None]:
+        """A token that goes into the reply (not a stop token): whether it completes the grammar, and its
+        reported log-probabilities."""
+        done = self.grammar is not None and self.grammar.consume(token)
+        reported = logprobs.for_token(distribution, token, self.top_logprobs) if distribution is not None else None
+        return done, reported
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.history.output_ids
