@@ -112,15 +112,20 @@ def forward_layout(kv: torch.Tensor) -> torch.Tensor:
     """Caches [..., 2 (keys, values), capacity, kv_heads, head_dim] (capacity a multiple of KEY_BLOCK) as the C++
     forward holds them, the same shape: keys in blocks of 16 positions, transposed, so that one vector holds a
     dimension of 16 keys ([kv_heads, head_dim, 16] a block); in bf16, dimensions 2t and 2t + 1 interleaved
-    ([kv_heads, head_dim / 2, 16, 2]) and values' positions 2s and 2s + 1 ([kv_heads, head_dim, 2] a pair), so
+    ([kv_heads, head_dim / 2, 16, 2]). Values in the same blocks, each head's 16 positions together
+    ([kv_heads, 16, head_dim]; in bf16 positions 2s and 2s + 1 interleaved, [kv_heads, 8, head_dim, 2]), so
     that one load, a shift and a mask widen two vectors (csrc/fused.cpp's key_at and value_at)."""
     *lead, _, capacity, kv_heads, head_dim = kv.shape
     keys, values = kv.unbind(-4)
+    blocks, n = capacity // KEY_BLOCK, len(lead)
     if kv.dtype == torch.bfloat16:
-        keys = keys.reshape(*lead, capacity // KEY_BLOCK, KEY_BLOCK, kv_heads, head_dim // 2, 2).movedim(-4, -2)
-        values = values.reshape(*lead, capacity // 2, 2, kv_heads, head_dim).movedim(-3, -1)
+        keys = keys.reshape(*lead, blocks, KEY_BLOCK, kv_heads, head_dim // 2, 2).movedim(-4, -2)
+        # (block, pair, position in pair, head, dim) -> (block, head, pair, dim, position in pair)
+        values = values.reshape(*lead, blocks, KEY_BLOCK // 2, 2, kv_heads, head_dim).permute(
+            *range(n), n, n + 3, n + 1, n + 4, n + 2)
     else:
-        keys = keys.reshape(*lead, capacity // KEY_BLOCK, KEY_BLOCK, kv_heads, head_dim).movedim(-3, -1)
+        keys = keys.reshape(*lead, blocks, KEY_BLOCK, kv_heads, head_dim).movedim(-3, -1)
+        values = values.reshape(*lead, blocks, KEY_BLOCK, kv_heads, head_dim).movedim(-2, -3)
     return torch.stack([keys.reshape(*lead, capacity, kv_heads, head_dim),
                         values.reshape(*lead, capacity, kv_heads, head_dim)], dim=-4)
 
@@ -129,11 +134,14 @@ def standard_layout(kv: torch.Tensor) -> torch.Tensor:
     """``forward_layout`` undone: position-major keys and values, PyTorch's layout."""
     *lead, _, capacity, kv_heads, head_dim = kv.shape
     keys, values = kv.unbind(-4)
+    blocks, n = capacity // KEY_BLOCK, len(lead)
     if kv.dtype == torch.bfloat16:
-        keys = keys.reshape(*lead, capacity // KEY_BLOCK, kv_heads, head_dim // 2, KEY_BLOCK, 2).movedim(-2, -4)
-        values = values.reshape(*lead, capacity // 2, kv_heads, head_dim, 2).movedim(-1, -3)
+        keys = keys.reshape(*lead, blocks, kv_heads, head_dim // 2, KEY_BLOCK, 2).movedim(-2, -4)
+        values = values.reshape(*lead, blocks, kv_heads, KEY_BLOCK // 2, head_dim, 2).permute(
+            *range(n), n, n + 2, n + 4, n + 1, n + 3)
     else:
-        keys = keys.reshape(*lead, capacity // KEY_BLOCK, kv_heads, head_dim, KEY_BLOCK).movedim(-1, -3)
+        keys = keys.reshape(*lead, blocks, kv_heads, head_dim, KEY_BLOCK).movedim(-1, -3)
+        values = values.reshape(*lead, blocks, kv_heads, KEY_BLOCK, head_dim).movedim(-3, -2)
     return torch.stack([keys.reshape(*lead, capacity, kv_heads, head_dim),
                         values.reshape(*lead, capacity, kv_heads, head_dim)], dim=-4)
 

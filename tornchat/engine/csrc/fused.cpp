@@ -61,8 +61,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
 // is PyTorch's (position-major), for the Python loop's caches. The forward's caches (FORWARD) are laid out for
 // attend's vectors: keys in blocks of KEY_BLOCK positions, transposed, so that one vector holds a dimension of 16
 // keys (block b of head h: [head_dim][16]); in bf16 dimensions 2t and 2t + 1 are interleaved ([head_dim / 2][16][2])
-// and values positions 2s and 2s + 1 ([capacity / 2][kv_heads][head_dim][2]), so that one 64-byte load, a shift
-// and a mask give two fp32 vectors (widening bf16 lane by lane costs several instructions per vector).
+// and values positions 2s and 2s + 1 ([head_dim][2] a pair), so that one 64-byte load, a shift and a mask give two
+// fp32 vectors (widening bf16 lane by lane costs several instructions per vector). Values are in the keys' blocks
+// of 16 positions too, each head's together (value_at).
 // fused.py's forward_layout / standard_layout convert.
 constexpr int64_t KEY_BLOCK = 16;
 
@@ -76,8 +77,12 @@ inline int64_t key_at(int64_t p, int64_t h, int64_t i, int64_t kv_heads, int64_t
 
 template <bool FORWARD, typename Kv>
 inline int64_t value_at(int64_t p, int64_t h, int64_t i, int64_t kv_heads, int64_t d) {
-  if constexpr (FORWARD && std::is_same_v<Kv, BFloat16>) return ((p / 2 * kv_heads + h) * d + i) * 2 + p % 2;
-  return (p * kv_heads + h) * d + i;
+  if constexpr (!FORWARD) return (p * kv_heads + h) * d + i;
+  // Each head's 16 positions of a block side by side: the weighted sum walks a head's positions in order, and
+  // position-major rows (kv_heads * head_dim apart, a page at 8 x 128 bf16 pairs) missed the TLB at every step.
+  const int64_t block = (p / KEY_BLOCK * kv_heads + h) * KEY_BLOCK * d, q = p % KEY_BLOCK;
+  if constexpr (std::is_same_v<Kv, BFloat16>) return block + (q / 2 * d + i) * 2 + q % 2;
+  return block + q * d + i;
 }
 
 // Rows r = 0 .. rows - 1 are positions start + r; keys and values point at position 0 of a layer's cache.
@@ -240,28 +245,32 @@ inline __attribute__((always_inline)) void key_pair(const BFloat16* block, int64
 // layout; values points at position 0).
 inline __attribute__((always_inline)) void value_pair(const float* values, int64_t h, int64_t kv_heads, int64_t d,
                                                       int64_t j, int64_t c, Vec& v0, Vec& v1) {
-  v0 = load(values + (j * kv_heads + h) * d + c * LANES);
-  v1 = load(values + ((j + 1) * kv_heads + h) * d + c * LANES);
+  v0 = load(values + value_at<true, float>(j, h, c * LANES, kv_heads, d));
+  v1 = load(values + value_at<true, float>(j + 1, h, c * LANES, kv_heads, d));
 }
 inline __attribute__((always_inline)) void value_pair(const BFloat16* values, int64_t h, int64_t kv_heads, int64_t d,
                                                       int64_t j, int64_t c, Vec& v0, Vec& v1) {
-  split_pairs(values + ((j / 2 * kv_heads + h) * d + c * LANES) * 2, v0, v1);
+  split_pairs(values + value_at<true, BFloat16>(j, h, c * LANES, kv_heads, d), v0, v1);
 }
-// Positions apart, kv_heads * head_dim values each, the hardware prefetcher does not follow far enough.
+// Positions ahead that the weighted sum asks for before it reads them: a block further on, where the hardware
+// prefetcher has not gone.
 constexpr int64_t VALUE_AHEAD = 16;
 template <typename Kv>
 inline __attribute__((always_inline)) void prefetch_value(const Kv* values, int64_t h, int64_t kv_heads, int64_t d,
                                                           int64_t j, int64_t c) {
-  if constexpr (std::is_same_v<Kv, BFloat16>) __builtin_prefetch(values + ((j / 2 * kv_heads + h) * d + c * LANES) * 2);
-  else __builtin_prefetch(values + (j * kv_heads + h) * d + c * LANES);
+  __builtin_prefetch(values + value_at<true, Kv>(j, h, c * LANES, kv_heads, d));
 }
 template <typename Kv>
 inline __attribute__((always_inline)) Vec value_one(const Kv* values, int64_t h, int64_t kv_heads, int64_t d,
                                                     int64_t j, int64_t c) {
-  if constexpr (std::is_same_v<Kv, float>) return load(values + (j * kv_heads + h) * d + c * LANES);
   Vec v0, v1;
-  value_pair(values, h, kv_heads, d, j / 2 * 2, c, v0, v1);
-  return j % 2 ? v1 : v0;
+  if constexpr (std::is_same_v<Kv, float>) {
+    v0 = load(values + value_at<true, float>(j, h, c * LANES, kv_heads, d));
+    return v0;
+  } else {
+    value_pair(values, h, kv_heads, d, j / 2 * 2, c, v0, v1);
+    return j % 2 ? v1 : v0;
+  }
 }
 
 // Scores of T queries over key blocks 0 .. blocks - 1 of one KV head (keys: its first block), into
