@@ -26,7 +26,7 @@ def pick_device(name: str) -> str:
 
 
 def make_runner(loaded: checkpoint.Loaded, config: Config) -> Runner:
-    """The lean forward where the family allows it (PERF-NOTES.md), else transformers' modules. On a CPU the
+    """The lean forward where the family allows it (``llama.unsupported_reason``), else transformers' modules. On a CPU the
     lean forward's matrices are GGML blocks: a GGUF's own, or float weights quantized into --quantize's
     (``llama.pack``; auto keeps them as they are, in fp32). Takes the weights over from ``loaded``, so that
     the runner holds the only copy."""
