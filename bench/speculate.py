@@ -258,7 +258,7 @@ def exactness(report: dict, cases: list[workloads.SpeculationWorkload]) -> list[
     """Every tornchat reply against tornchat --speculate none's reply to the same messages, same mode, send by
     send: the first send of a request prefills the whole prompt, the later ones take it from a KV slot and
     re-run only its last token, which can flip a near-tie in greedy decoding with speculation on or off alike
-    (README, "Latency behaviour"), so send i meets the send that found the cache in the same state."""
+    (docs/design.md, "Latency behaviour"), so send i meets the send that found the cache in the same state."""
     reference = report["systems"].get("tornchat-none", {}).get("result")
     if reference is None:
         return []

@@ -1,7 +1,7 @@
 """A lean forward for the Llama family (Llama, Qwen2, Qwen3, Mistral; SmolLM2 is Llama).
 
 transformers' modules spend about as long in Python and dispatcher overhead
-as in the matmuls of a small model's decode step (the README's benchmarks
+as in the matmuls of a small model's decode step (docs/performance.md
 compare them: `--model-impl hf`). This is
 the same computation as plain functions over tensors, gpt-fast style: fused
 QKV and gate/up weights, RoPE as one complex multiply over queries and keys
