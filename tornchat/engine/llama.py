@@ -2,7 +2,7 @@
 
 transformers' modules spend about as long in Python and dispatcher overhead
 as in the matmuls of a small model's decode step (docs/performance.md
-compare them: `--model-impl hf`). This is
+compares them: `--model-impl hf`). This is
 the same computation as plain functions over tensors, gpt-fast style: fused
 QKV and gate/up weights, RoPE as one complex multiply over queries and keys
 together, a KV cache per slot that grows in chunks. On the CPU the whole
