@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import agents_apis  # noqa: E402  (sibling module: its SSE record reader)
 import e2e  # noqa: E402  (sibling module: its Server, systems and machine description)
 
 from tornchat import checkpoint  # noqa: E402
@@ -43,11 +44,9 @@ def stream(port: int, model: str, text: str, tokens: int) -> dict:
     connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     response = connection.getresponse()
     pieces, first, usage = [], None, None
-    while line := response.readline():
-        line = line.decode().strip()
-        if not line.startswith("data: ") or line == "data: [DONE]":
+    for _, data in agents_apis.records(response):
+        if data is None:  # [DONE]
             continue
-        data = json.loads(line[len("data: "):])
         usage = data.get("usage") or usage
         for choice in data.get("choices") or ():
             if piece := (choice.get("delta") or {}).get("content"):
