@@ -134,7 +134,7 @@ def test_literal_is_exact(compiler, tokenizer):
 def generate(engine, compiler, plan, seed, max_tokens=120, logit_bias=()):
     request = GenerationRequest(
         prompt.encode(engine.tokenizer, plan.prompt),
-        sampling=SamplingParams(temperature=1.0, seed=seed, logit_bias=logit_bias),
+        sampling=SamplingParams(temperature=1.0, seed=seed, options={"logit_bias": logit_bias}),
         max_tokens=max_tokens,
         stop=plan.stops,
         grammar=compiler.compile(plan.grammar) if plan.grammar else None,

@@ -25,6 +25,13 @@ def history(prompt_ids=PROMPT, output_ids=OUTPUT) -> History:
     return h
 
 
+def run(logits, params: SamplingParams, h: History, tokenizer=None, index: int = 0) -> torch.Tensor:
+    """Both stages as the Chooser runs them, without a grammar mask."""
+    context = processors.Context(h, tokenizer, params.temperature, params.seed or 0, index)
+    logits = processors.run(processors.chosen(params, processors.BEFORE_MASK), logits, context)
+    return processors.run(processors.chosen(params, processors.AFTER_MASK), logits, context)
+
+
 # ---- references: one token at a time, the way the semantics are written down -----------
 
 
@@ -61,7 +68,7 @@ def reference_min_p(logits, min_p, temperature):
 def test_repetition_penalty_matches_the_reference_over_prompt_and_output(penalty):
     logits = random_logits()
     before = logits.clone()
-    out = processors.repetition_penalty(logits, SamplingParams(repetition_penalty=penalty), history())
+    out = processors.repetition_penalty(logits, repetition_penalty=penalty, history=history())
     torch.testing.assert_close(out, reference_repetition(before, penalty, PROMPT + OUTPUT))
     assert torch.equal(logits, before), "the input logits are not written to"
 
@@ -69,8 +76,8 @@ def test_repetition_penalty_matches_the_reference_over_prompt_and_output(penalty
 @pytest.mark.parametrize("frequency, presence", [(0.5, 0.0), (0.0, 1.5), (2.0, -2.0), (-1.0, 0.7)])
 def test_frequency_and_presence_penalties_match_the_reference_over_the_output(frequency, presence):
     logits = random_logits(1)
-    params = SamplingParams(frequency_penalty=frequency, presence_penalty=presence)
-    out = processors.frequency_and_presence_penalty(logits, params, history())
+    params = SamplingParams(options={"frequency_penalty": frequency, "presence_penalty": presence})
+    out = run(logits, params, history())
     torch.testing.assert_close(out, reference_frequency_presence(logits, frequency, presence, OUTPUT))
     assert out[PROMPT[0]] == logits[PROMPT[0]], "prompt tokens are not penalized"
 
@@ -78,14 +85,14 @@ def test_frequency_and_presence_penalties_match_the_reference_over_the_output(fr
 def test_logit_bias_matches_the_reference():
     logits = random_logits(2)
     pairs = ((5, 100.0), (6, -100.0), (400, 3.5))
-    out = processors.logit_bias(logits, SamplingParams(logit_bias=pairs), history())
+    out = processors.logit_bias(logits, logit_bias=pairs)
     torch.testing.assert_close(out, reference_bias(logits, pairs))
 
 
 @pytest.mark.parametrize("min_p, temperature", [(0.05, 1.0), (0.1, 0.5), (0.3, 1.7), (1.0, 1.0)])
 def test_min_p_matches_the_reference_on_the_tempered_distribution(min_p, temperature):
     logits = random_logits(3)
-    out = processors.truncate(logits, SamplingParams(min_p=min_p, temperature=temperature))
+    out = processors.min_p(logits, min_p=min_p, temperature=temperature)
     expected = reference_min_p(logits, min_p, temperature)
     assert torch.equal(torch.isinf(out), torch.isinf(expected))
     kept = ~torch.isinf(out)
@@ -95,40 +102,42 @@ def test_min_p_matches_the_reference_on_the_tempered_distribution(min_p, tempera
 
 def test_min_p_leaves_greedy_requests_and_nan_logits_alone():
     logits = random_logits(4)
-    assert processors.truncate(logits, SamplingParams(min_p=0.5, temperature=0.0)) is logits
-    assert processors.truncate(logits, SamplingParams(min_p=0.5, top_k=1)) is logits
+    assert run(logits, SamplingParams(temperature=0.0, options={"min_p": 0.5}), history()) is logits
+    assert run(logits, SamplingParams(top_k=1, options={"min_p": 0.5}), history()) is logits
     with_nan = logits.clone()
     with_nan[10] = float("nan")
-    out = processors.truncate(with_nan, SamplingParams(min_p=0.5))
+    out = processors.min_p(with_nan, min_p=0.5, temperature=1.0)
     assert not torch.isinf(out).any(), "a NaN maximum drops nothing; the sampler counts NaN as -inf"
 
 
 def test_neutral_parameters_cost_nothing():
     logits, h = random_logits(), history()
-    assert processors.apply(logits, SamplingParams(), h) is logits
-    assert processors.truncate(logits, SamplingParams()) is logits
+    assert run(logits, SamplingParams(), h) is logits
+    neutral = {f.name: f.neutral for p in processors.PROCESSORS for f in p.fields}
+    assert run(logits, SamplingParams(options=neutral), h) is logits, "fields set to their neutral values"
     assert h._counts is None and h._seen is None, "no tensor over the history was built"
 
 
 def test_history_tensors_stay_current_after_first_use():
     logits = random_logits()
-    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, repetition_penalty=1.2)
+    params = SamplingParams(options={"frequency_penalty": 0.5, "presence_penalty": 0.25, "repetition_penalty": 1.2})
     grown = history(output_ids=OUTPUT[:2])
-    processors.apply(logits, params, grown)  # builds the tensors from the first two ids
+    run(logits, params, grown)  # builds the tensors from the first two ids
     for token in OUTPUT[2:]:
         grown.append(token)
-    torch.testing.assert_close(processors.apply(logits, params, grown), processors.apply(logits, params, history()))
+    torch.testing.assert_close(run(logits, params, grown), run(logits, params, history()))
 
 
 def test_processors_run_in_the_documented_order():
     logits = random_logits(5)
     pairs = ((7, 2.0), (300, -1.0))
-    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3, logit_bias=pairs)
+    params = SamplingParams(options={"repetition_penalty": 1.5, "frequency_penalty": 0.4, "presence_penalty": 0.3, "logit_bias": pairs})
     expected = reference_repetition(logits, 1.5, PROMPT + OUTPUT)
     expected = reference_frequency_presence(expected, 0.4, 0.3, OUTPUT)
     expected = reference_bias(expected, pairs)
-    torch.testing.assert_close(processors.apply(logits, params, history()), expected)
-    assert [p.__name__ for p in processors.PROCESSORS] == ["repetition_penalty", "frequency_and_presence_penalty", "logit_bias"]
+    torch.testing.assert_close(run(logits, params, history()), expected)
+    before = [p.name for p in processors.PROCESSORS if p.stage == processors.BEFORE_MASK]
+    assert before[:3] == ["repetition_penalty", "frequency_penalty", "presence_penalty"] and before[-1] == "logit_bias"
 
 
 # ---- log-probabilities -----------------------------------------------------------------
@@ -186,7 +195,7 @@ def test_logprobs_are_the_models_before_bias_and_temperature(tiny_model, tiny_en
     runner = HFRunner(tiny_model)
     raw = torch.log_softmax(runner.forward(ids, runner.new_cache()), dim=-1)
     favourite = int(raw.argmax())
-    params = SamplingParams(temperature=0.0, logit_bias=((favourite, -100.0),))
+    params = SamplingParams(temperature=0.0, options={"logit_bias": ((favourite, -100.0),)})
     first = next(e for e in events(tiny_engine, ids, sampling=params, max_tokens=1, logprobs=1) if e.logprobs).logprobs[0]
     assert first.token_id != favourite and first.top[0][0] == favourite, "the bias steered the sampler, not the report"
     assert first.logprob == pytest.approx(float(raw[first.token_id]), abs=1e-4)
@@ -199,7 +208,8 @@ def test_logit_bias_and_penalties_steer_the_decode_loop(tiny_engine, tokenizer):
     ids = ask(tokenizer)
 
     def tokens(**params):
-        return [t for e in events(tiny_engine, ids, sampling=SamplingParams(temperature=0.0, **params), max_tokens=8) for t in e.token_ids]
+        sampling = SamplingParams(temperature=0.0, options=params)
+        return [t for e in events(tiny_engine, ids, sampling=sampling, max_tokens=8) for t in e.token_ids]
 
     plain = tokens()
     assert len(set(plain)) == 1, "the random model repeats one token (a newline, which the prompt has too)"

@@ -142,9 +142,8 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=1234)
 OPTIONS = {
     "greedy": dict(sampling=SamplingParams(temperature=0.0)),
     "seeded": dict(sampling=SEEDED),
-    "penalties and logprobs": dict(logprobs=3, sampling=SamplingParams(
-        temperature=0.5, seed=99, frequency_penalty=0.05, presence_penalty=0.05, repetition_penalty=1.02,
-        logit_bias=((28, -2.0),), min_p=0.05)),
+    "penalties and logprobs": dict(logprobs=3, sampling=SamplingParams(temperature=0.5, seed=99, options=dict(
+        frequency_penalty=0.05, presence_penalty=0.05, repetition_penalty=1.02, logit_bias=((28, -2.0),), min_p=0.05))),
     "stop string": dict(sampling=SamplingParams(temperature=0.0), stop=("return",)),
     "odd max_tokens": dict(sampling=SEEDED, max_tokens=37),
 }

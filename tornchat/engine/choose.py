@@ -1,12 +1,14 @@
 """From a row of logits to the next token: the one place a researcher changes how a token is chosen.
 
 In order, per row: the log-probabilities the reply reports (of the raw
-logits, only when asked), the logits processors (processors.py), the grammar
-mask (structured outputs, tool calls), truncation (min_p, after the mask: it
-must not keep only banned tokens), the sampler (kernels/sampling.py, whose
-randomness is keyed by the seed and the token's index in the reply, so a
-speculative verify's rows give the same tokens as steps); a thinking
-budget that is spent forces the closing tag instead.
+logits, only when asked), the logits processors that run before the grammar
+mask (penalties, biases: processors.py), the grammar mask (structured
+outputs, tool calls), the processors that run after it (truncations such as
+min_p: they must not keep only banned tokens), the sampler
+(kernels/sampling.py). Randomness, the sampler's and any processor's, is
+keyed by the seed and the token's index in the reply, so a speculative
+verify's rows give the same tokens as steps; a thinking budget that is
+spent forces the closing tag instead.
 """
 import secrets
 
@@ -19,7 +21,7 @@ from tornchat.kernels import sample
 
 class Chooser:
     def __init__(self, request: GenerationRequest, prompt: list[int], vocab_size: int, device: torch.device, tokenizer):
-        params = self.params = request.sampling
+        params = request.sampling
         self.temperature = torch.tensor([params.temperature], dtype=torch.float32, device=device)
         # A top_k past the vocabulary restricts nothing; clamping keeps it in the kernel's int32.
         self.top_k = torch.tensor([min(params.top_k, vocab_size)], dtype=torch.int32, device=device)
@@ -28,6 +30,9 @@ class Chooser:
         self.seed = torch.tensor([seed], dtype=torch.int64, device=device)
         self.top_logprobs = request.logprobs
         self.history = processors.History(prompt)
+        self.context = processors.Context(self.history, tokenizer, params.temperature, seed)
+        self.before_mask = processors.chosen(params, processors.BEFORE_MASK)
+        self.after_mask = processors.chosen(params, processors.AFTER_MASK)
         self.grammar = request.grammar
         self.thinking = thinking.Budget(request.thinking, tokenizer) if request.thinking is not None else None
         self.prepare()
@@ -40,10 +45,11 @@ class Chooser:
     def choose(self, logits: torch.Tensor, index: int) -> tuple[int, torch.Tensor | None]:
         """The token at position ``index`` of the reply, and the raw distribution when logprobs are asked."""
         distribution = logprobs.distribution(logits) if self.top_logprobs is not None else None
-        logits = processors.apply(logits, self.params, self.history)
+        self.context.index = index
+        logits = processors.run(self.before_mask, logits, self.context)
         if self.grammar is not None:
             logits = self.grammar.apply(logits)  # tokens that leave the grammar: -inf
-        logits = processors.truncate(logits, self.params)
+        logits = processors.run(self.after_mask, logits, self.context)
         token_ids, _ = sample(logits[None, :], self.temperature, self.top_k, self.top_p, self.seed, index)
         token = int(token_ids[0])
         if self.thinking is not None and (forced := self.thinking.forced()) is not None:

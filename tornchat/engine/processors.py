@@ -1,34 +1,74 @@
 """Logits processors: what the decode loop does to the logits between the forward and the sampler.
 
-A processor is one function ``f(logits, params, history) -> logits``:
-``logits`` are the fp32 logits [V] of the next token, ``params`` the
-request's SamplingParams, ``history`` the prompt's and the sampled token ids.
-It returns new logits (never writes into the ones it got: the decode loop
-may still read them) or the same tensor where its parameters ask for
-nothing, so a request that sets none of them pays for nothing. PROCESSORS
-runs them in order; to add one, write the function here and append it.
+Each processor is one record in PROCESSORS: its name, its request fields
+(kind, range, neutral value, one line of doc), its stage and its function.
+Validation (server/validate.py), the OpenAPI document (server/openapi.py),
+the /metrics labels (server/metrics.py) and the Chooser (choose.py) read
+the records; adding a processor is its function and its record here, and
+its tests.
 
-The order, after the forward and the log-probabilities the reply reports
-(those are of the raw logits):
+A function is ``f(logits, **fields, **needs) -> logits``: ``logits`` are the
+fp32 logits [V] of the next token, ``fields`` the values of its request
+fields (the neutral one where the request left a field out), ``needs`` what
+it declares of the row's Context (the history, the tokenizer, the
+temperature, the seed and the token's index in the reply). It returns new
+logits and never writes into the ones it got: the decode loop may still
+read them. A processor none of whose fields a request sets away from neutral
+does not run, so a request that sets nothing pays nothing.
 
-1. repetition_penalty: every token seen in the prompt or the output
-2. frequency_penalty, presence_penalty: the output's tokens
-3. logit_bias
-4. (the grammar mask, where a request constrains its output)
-5. min_p (``truncate``), then the sampler: temperature, top-k, top-p.
+Stages, in the Chooser's order, after the forward and the log-probabilities
+the reply reports (those are of the raw logits):
 
-min_p sits with the sampler's truncation because it is defined on the
-tempered distribution, and must see the grammar's mask: applied before it,
-it could leave only tokens the grammar then forbids.
+- BEFORE_MASK: penalties and biases, which move logits.
+- (the grammar mask, where a request constrains its output)
+- AFTER_MASK: truncations, defined on the tempered distribution
+  ``softmax(logits / temperature)``: they must see the mask (applied before
+  it, one could leave only tokens the grammar then forbids), and greedy rows
+  skip them (nothing is left to truncate that changes the most likely token).
+- then the sampler (kernels/sampling.py): temperature, top-k, top-p, draw.
 """
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from tornchat.engine.types import SamplingParams
 from tornchat.kernels.sampling import GREEDY_TEMPERATURE
+
+BEFORE_MASK, AFTER_MASK = "before the grammar mask", "after the grammar mask"
+# Kinds of request field: how validation reads one and how the OpenAPI document describes it.
+NUMBER, INTEGER, STRINGS, BIAS = "number", "integer", "strings", "bias"  # BIAS: {"token id": number}, ids below the vocabulary's size
+
+
+@dataclass(frozen=True)
+class Field:
+    """One request field: what validation accepts, what the OpenAPI document says, which value asks for nothing."""
+
+    name: str
+    kind: str
+    neutral: object  # leaves the logits as they are; also the value where the request does not give the field
+    doc: str
+    low: float | None = None  # NUMBER, INTEGER: the least value (None: no bound); BIAS: the least bias
+    high: float | None = None  # NUMBER, INTEGER: the largest; BIAS: the largest bias; STRINGS: how many
+    above_low: bool = False  # low itself is not allowed
+    longest: int | None = None  # STRINGS: characters in each
+
+
+@dataclass(frozen=True)
+class Processor:
+    name: str  # the /metrics label
+    fields: tuple[Field, ...]
+    stage: str  # BEFORE_MASK or AFTER_MASK
+    apply: Callable[..., torch.Tensor]  # (logits, **field values, **needs) -> logits
+    doc: str
+    needs: tuple[str, ...] = ()  # Context attributes passed as keywords
+
+    def values(self, options: dict) -> dict | None:
+        """Each field's value where the request sets one of them away from neutral, else None."""
+        values = {f.name: options.get(f.name, f.neutral) for f in self.fields}
+        return values if any(values[f.name] != f.neutral for f in self.fields) else None
 
 
 class History:
@@ -62,31 +102,39 @@ class History:
         return self._seen
 
 
-Processor = Callable[[torch.Tensor, SamplingParams, History], torch.Tensor]
+@dataclass
+class Context:
+    """What a processor may declare it needs, for the row being chosen."""
+
+    history: History
+    tokenizer: object
+    temperature: float
+    seed: int  # the request's, or the one drawn for it: what the sampler's randomness is keyed by
+    index: int = 0  # the token's position in the reply; the Chooser sets it for each row
 
 
-def repetition_penalty(logits: torch.Tensor, params: SamplingParams, history: History) -> torch.Tensor:
+# ---- before the grammar mask ------------------------------------------------------------
+
+
+def repetition_penalty(logits: torch.Tensor, *, repetition_penalty: float, history: History) -> torch.Tensor:
     """HF's and llama.cpp's: a seen token's logit is divided by the penalty if positive, multiplied if not."""
-    penalty = params.repetition_penalty
-    if penalty == 1.0:
-        return logits
-    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
     return torch.where(history.seen(logits), penalized, logits)
 
 
-def frequency_and_presence_penalty(logits: torch.Tensor, params: SamplingParams, history: History) -> torch.Tensor:
-    """OpenAI's: minus frequency_penalty per occurrence in the output, minus presence_penalty once if it occurs."""
-    if params.frequency_penalty == 0.0 and params.presence_penalty == 0.0:
-        return logits
-    counts = history.output_counts(logits)
-    return logits - counts * params.frequency_penalty - (counts > 0).float() * params.presence_penalty
+def frequency_penalty(logits: torch.Tensor, *, frequency_penalty: float, history: History) -> torch.Tensor:
+    """OpenAI's: minus the penalty per occurrence in the output."""
+    return logits - history.output_counts(logits) * frequency_penalty
 
 
-def logit_bias(logits: torch.Tensor, params: SamplingParams, history: History) -> torch.Tensor:
+def presence_penalty(logits: torch.Tensor, *, presence_penalty: float, history: History) -> torch.Tensor:
+    """OpenAI's: minus the penalty once if the token occurs in the output."""
+    return logits - (history.output_counts(logits) > 0).float() * presence_penalty
+
+
+def logit_bias(logits: torch.Tensor, *, logit_bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
     """OpenAI's: the bias added to the token's logit (-100 bans it in practice, 100 all but forces it)."""
-    if not params.logit_bias:
-        return logits
-    return logits + _dense_bias(params.logit_bias, logits.shape[-1], logits.device)
+    return logits + _dense_bias(logit_bias, logits.shape[-1], logits.device)
 
 
 @functools.lru_cache(maxsize=4)  # one request's bias, built once rather than every step
@@ -98,23 +146,64 @@ def _dense_bias(pairs: tuple[tuple[int, float], ...], vocab: int, device: torch.
     return bias.to(device)
 
 
-PROCESSORS: tuple[Processor, ...] = (repetition_penalty, frequency_and_presence_penalty, logit_bias)
+# ---- after the grammar mask: truncations of softmax(logits / temperature) ----------------
 
 
-def apply(logits: torch.Tensor, params: SamplingParams, history: History) -> torch.Tensor:
-    for processor in PROCESSORS:
-        logits = processor(logits, params, history)
-    return logits
+def min_p(logits: torch.Tensor, *, min_p: float, temperature: float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p x the top one's: in logits, below max + temperature * log(min_p).
 
-
-def truncate(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """min_p: drop tokens whose probability under softmax(logits / temperature) is below min_p x the top one's.
-
-    In logits: drop those below max + temperature * log(min_p). Greedy rows
-    are left alone; min_p never drops the most likely token.
+    min_p never drops the most likely token.
     """
-    if params.min_p == 0.0 or params.temperature < GREEDY_TEMPERATURE or params.top_k == 1:
-        return logits
-    threshold = logits.max() + params.temperature * math.log(params.min_p)
+    threshold = logits.max() + temperature * math.log(min_p)
     # NaN compares False: a NaN maximum (which the sampler treats as -inf) drops nothing.
     return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+# ---- the records, in the order each stage runs them ----------------------------------------
+
+PROCESSORS: tuple[Processor, ...] = (
+    Processor(
+        "repetition_penalty",
+        (Field("repetition_penalty", NUMBER, 1.0, "HF / llama.cpp: the logit of every token already in the prompt or the "
+               "output is divided by it (multiplied, if negative); 1 is off", low=0.0, high=10.0, above_low=True),),
+        BEFORE_MASK, repetition_penalty, "over the prompt's and the output's tokens (the prompt includes the chat "
+        "template's own tokens, as in HF and llama.cpp)", needs=("history",),
+    ),
+    Processor(
+        "frequency_penalty",
+        (Field("frequency_penalty", NUMBER, 0.0, "OpenAI: subtracted from a token's logit once per time it occurs in "
+               "the output", low=-2.0, high=2.0),),
+        BEFORE_MASK, frequency_penalty, "over the output's tokens", needs=("history",),
+    ),
+    Processor(
+        "presence_penalty",
+        (Field("presence_penalty", NUMBER, 0.0, "OpenAI: subtracted once from the logit of every token that occurs in "
+               "the output", low=-2.0, high=2.0),),
+        BEFORE_MASK, presence_penalty, "over the output's tokens", needs=("history",),
+    ),
+    Processor(
+        "logit_bias",
+        (Field("logit_bias", BIAS, (), "added to those tokens' logits (-100 bans a token in practice, 100 forces "
+               "it); ids from 0 to the vocabulary's size - 1", low=-100.0, high=100.0),),
+        BEFORE_MASK, logit_bias, "last before the mask, so that a bias has the last word",
+    ),
+    Processor(
+        "min_p",
+        (Field("min_p", NUMBER, 0.0, "drop tokens whose probability (after temperature) is below `min_p` times the "
+               "most likely token's", low=0.0, high=1.0),),
+        AFTER_MASK, min_p, "keeps the tokens with p >= min_p * p_max", needs=("temperature",),
+    ),
+)
+
+
+def chosen(params: SamplingParams, stage: str) -> tuple[tuple[Processor, dict], ...]:
+    """The stage's processors that the request sets, each with its fields' values: what the Chooser runs per row."""
+    if stage == AFTER_MASK and (params.temperature < GREEDY_TEMPERATURE or params.top_k == 1):
+        return ()
+    return tuple((p, values) for p in PROCESSORS if p.stage == stage and (values := p.values(params.options)) is not None)
+
+
+def run(processors: tuple[tuple[Processor, dict], ...], logits: torch.Tensor, context: Context) -> torch.Tensor:
+    for processor, values in processors:
+        logits = processor.apply(logits, **values, **{need: getattr(context, need) for need in processor.needs})
+    return logits

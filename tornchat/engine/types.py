@@ -35,12 +35,9 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k
     top_p: float = 1.0
     seed: int | None = None  # None: a fresh random seed per request
-    # Logits processors (tornchat/engine/processors.py); these values leave the logits as they are.
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
-    min_p: float = 0.0
+    # The logits processors' request fields (engine/processors.py) that the request sets, name -> value;
+    # one left out has its neutral value. Validation keeps only values away from neutral.
+    options: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

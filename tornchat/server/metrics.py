@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
-from tornchat.engine.types import GenerationRequest, SamplingParams, Usage
+from tornchat.engine import processors
+from tornchat.engine.types import GenerationRequest, Usage
 from tornchat.server import stats
 
 # Seconds. Time to first token spans prefill of long prompts on a CPU; the
@@ -18,9 +19,6 @@ from tornchat.server import stats
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
-# SamplingParams fields of the logits processors, counted when a request sets them away from neutral.
-PROCESSOR_OPTIONS = ("repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "min_p")
-NEUTRAL = SamplingParams()
 
 
 class Metrics:
@@ -49,9 +47,10 @@ class Metrics:
         self.registry.register(SnapshotCollector(engine, server_stats))
 
     def observe_options(self, request: GenerationRequest) -> None:
-        for option in PROCESSOR_OPTIONS:
-            if getattr(request.sampling, option) != getattr(NEUTRAL, option):
-                self.options.labels(option).inc()
+        """Labels: each logits processor's name, counted where the request sets any of its fields away from neutral."""
+        for processor in processors.PROCESSORS:
+            if processor.values(request.sampling.options) is not None:
+                self.options.labels(processor.name).inc()
         if request.logprobs is not None:
             self.options.labels("logprobs").inc()
 

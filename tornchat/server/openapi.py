@@ -1,14 +1,16 @@
 """The OpenAPI 3.1 document served at GET /openapi.json.
 
-Written by hand to say what validate.py accepts and replies.py sends; the
+Written by hand to say what validate.py accepts and replies.py sends (the
+logits processors' fields are generated from their records); the
 reliability tests check live replies against these schemas and fuzz the
 server with bodies generated from the request schema, so a drift between
 this file and the code fails there.
 """
 from tornchat import MODEL_ID, __version__
 from tornchat.config import Config
+from tornchat.engine import processors
 from tornchat.server import auth
-from tornchat.server.validate import COMPLETION_MAX_TOKENS, EFFORTS, LOGIT_BIAS, MAX_CHOICES, MAX_STOP, MAX_TOP_LOGPROBS, ROLES
+from tornchat.server.validate import COMPLETION_MAX_TOKENS, EFFORTS, MAX_CHOICES, MAX_STOP, MAX_TOP_LOGPROBS, ROLES
 
 
 def _optional(schema: dict) -> dict:
@@ -24,6 +26,23 @@ def _json(schema: dict, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+def _option(option: processors.Field) -> dict:
+    """A logits processor's request field, as its record declares it (validate._option checks the same)."""
+    if option.kind == processors.STRINGS:
+        schema = {"type": "array", "maxItems": option.high, "items": {"type": "string", "minLength": 1, "maxLength": option.longest}}
+    elif option.kind == processors.BIAS:
+        schema = {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+                  "additionalProperties": {"type": "number", "minimum": option.low, "maximum": option.high}}
+    else:
+        schema = {"type": option.kind, "exclusiveMinimum" if option.above_low else "minimum": option.low, "maximum": option.high}
+    schema = {key: value for key, value in schema.items() if value is not None}
+    # default: the neutral value, which leaves the logits as they are (the tuples validation builds, as JSON)
+    neutral = dict(option.neutral) if option.kind == processors.BIAS else option.neutral
+    return _optional({**schema, "default": list(neutral) if isinstance(neutral, tuple) else neutral, "description": option.doc})
+
+
+# Request fields of the logits processors, from their records.
+PROCESSOR_FIELDS = {option.name: _option(option) for processor in processors.PROCESSORS for option in processor.fields}
 ERROR = _ref("Error")
 CALL = {
     "type": "object",
@@ -99,22 +118,7 @@ SAMPLING = {
     "temperature": _optional({"type": "number", "minimum": 0, "maximum": 2, "description": "Below 0.01: greedy"}),
     "top_p": _optional({"type": "number", "minimum": 0, "maximum": 1}),
     "top_k": _optional({"type": "integer", "minimum": 1}),
-    "min_p": _optional(
-        {"type": "number", "minimum": 0, "maximum": 1, "description": "Drop tokens below min_p x the top token's probability (after temperature)"}
-    ),
-    "repetition_penalty": _optional(
-        {"type": "number", "exclusiveMinimum": 0, "maximum": 10, "description": "HF / llama.cpp: over the prompt's and the output's tokens; 1 is off"}
-    ),
-    "frequency_penalty": _optional({"type": "number", "minimum": -2, "maximum": 2, "description": "OpenAI: per occurrence in the output"}),
-    "presence_penalty": _optional({"type": "number", "minimum": -2, "maximum": 2, "description": "OpenAI: once if in the output"}),
-    "logit_bias": _optional(
-        {
-            "type": "object",
-            "propertyNames": {"pattern": "^[0-9]+$"},
-            "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS, "maximum": LOGIT_BIAS},
-            "description": "Token id (a string) to a bias added to its logit",
-        }
-    ),
+    **PROCESSOR_FIELDS,
     "seed": _optional({"type": "integer"}),
     "stream": _optional({"type": "boolean"}),
     "prediction": _optional({
@@ -478,11 +482,14 @@ ANTHROPIC_USAGE = {
         "output_tokens": {"type": "integer", "minimum": 0},
     },
 }
-SAMPLING = {
+# Sampling fields the agent APIs read the same way (validate._sampling); named apart from SAMPLING, which
+# schemas() reads when it runs.
+AGENT_SAMPLING = {
     "temperature": _optional({"type": "number", "minimum": 0, "maximum": 2}),
     "top_p": _optional({"type": "number", "minimum": 0, "maximum": 1}),
     "top_k": _optional({"type": "integer", "minimum": 1}),
     "seed": _optional({"type": "integer"}),
+    **PROCESSOR_FIELDS,
 }
 
 
@@ -511,7 +518,7 @@ def agent_schemas(config: Config) -> dict:
                 "max_output_tokens": _optional({"type": "integer", "minimum": 1}),
                 "stream": _optional({"type": "boolean"}),
                 "truncation": _optional({"const": "disabled"}),
-                **SAMPLING,
+                **AGENT_SAMPLING,
             },
         },
         "Response": {
@@ -578,7 +585,7 @@ def agent_schemas(config: Config) -> dict:
                     "disable_parallel_tool_use": {"type": "boolean"}}}),
                 "stop_sequences": _optional({"type": "array", "maxItems": MAX_STOP, "items": {"type": "string"}}),
                 "stream": _optional({"type": "boolean"}),
-                **SAMPLING,
+                **AGENT_SAMPLING,
             },
         },
         "AnthropicMessage": {

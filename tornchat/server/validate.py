@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from tornchat import reasoning
+from tornchat.engine import processors
 from tornchat.engine.grammar import schema_error
 from tornchat.engine.types import SamplingParams
 from tornchat.functions import Choice, Format
@@ -19,7 +20,6 @@ ROLES = ("system", "developer", "user", "assistant", "function", "tool")  # deve
 MAX_STOP = 4
 MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 16  # n: each choice is a generation of its own, queued behind the running ones
-LOGIT_BIAS = 100.0  # each bias is within +-this
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 SEED_MODULUS = 1 << 63  # seeds of any size map into the sampler's int64 range
@@ -132,21 +132,34 @@ def _sampling(data: dict, vocab_size: int) -> SamplingParams:
         value = _number(data, key, low, high)
         return default if value is None else value
 
-    repetition_penalty = number("repetition_penalty", 0.0, 10.0, 1.0)
-    if repetition_penalty == 0.0:
-        raise invalid("repetition_penalty must be above 0")
     seed = _integer(data, "seed", None)
+    options = {}
+    for processor in processors.PROCESSORS:
+        for option in processor.fields:
+            value = _option(data, option, vocab_size)
+            if value is not None and value != option.neutral:
+                options[option.name] = value
     return SamplingParams(
         temperature=number("temperature", 0.0, 2.0, 1.0),
         top_k=_integer(data, "top_k", 1) or 0,
         top_p=number("top_p", 0.0, 1.0, 1.0),
         seed=None if seed is None else seed % SEED_MODULUS,
-        repetition_penalty=repetition_penalty,
-        frequency_penalty=number("frequency_penalty", -2.0, 2.0, 0.0),
-        presence_penalty=number("presence_penalty", -2.0, 2.0, 0.0),
-        logit_bias=_logit_bias(data, vocab_size),
-        min_p=number("min_p", 0.0, 1.0, 0.0),
+        options=options,
     )
+
+
+def _option(data: dict, option: processors.Field, vocab_size: int):
+    """A logits processor's field, checked by its declared kind and range; None where not given."""
+    if option.kind == processors.NUMBER:
+        value = _number(data, option.name, option.low, option.high)
+        if value == option.low and option.above_low:
+            raise invalid(f"{option.name} must be above {option.low:g}")
+        return value
+    if option.kind == processors.INTEGER:
+        return _integer(data, option.name, option.low, option.high)
+    if option.kind == processors.STRINGS:
+        return _strings(data, option)
+    return _logit_bias(data, option, vocab_size)
 
 
 def _reasoning(data: dict) -> tuple[reasoning.Request, dict]:
@@ -237,13 +250,23 @@ def _stop(value) -> tuple[str, ...]:
     return tuple(s for s in value if s)
 
 
-def _logit_bias(data: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+def _strings(data: dict, option: processors.Field) -> tuple[str, ...] | None:
+    value = data.get(option.name)
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) > option.high
+            or not all(isinstance(s, str) and 0 < len(s) <= option.longest for s in value)):
+        raise invalid(f"{option.name} must be an array of at most {option.high:g} strings of 1 to {option.longest} characters")
+    return tuple(value)
+
+
+def _logit_bias(data: dict, option: processors.Field, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """{"token id": bias} as (id, bias) pairs, ids in the tokenizer's range."""
     pairs = []
-    for key, value in _object(data, "logit_bias").items():
+    for key, value in _object(data, option.name).items():
         if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
-            raise invalid(f"logit_bias key {key[:20]!r} must be a token id from 0 to {vocab_size - 1}, as a string")
-        bias = _number({key: value}, key, -LOGIT_BIAS, LOGIT_BIAS, f"logit_bias[{key!r}]")
+            raise invalid(f"{option.name} key {key[:20]!r} must be a token id from 0 to {vocab_size - 1}, as a string")
+        bias = _number({key: value}, key, option.low, option.high, f"{option.name}[{key!r}]")
         pairs.append((int(key), bias))
     return tuple(pairs)
 
