@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+import servers
 from tornchat import prompt
 from tornchat.engine import GenerationRequest, SamplingParams, logprobs, processors
 from tornchat.engine.model import HFRunner
@@ -61,6 +62,34 @@ def reference_min_p(logits, min_p, temperature):
     return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
+def reference_typical(logits, mass, temperature):
+    probs = torch.softmax(logits.double() / temperature, dim=-1).tolist()
+    entropy = -sum(p * math.log(p) for p in probs if p > 0)
+    distance = [abs(-math.log(p) - entropy) if p > 0 else math.inf for p in probs]
+    held, kept = 0.0, []
+    for token in sorted(range(len(probs)), key=lambda t: distance[t]):  # nearest the entropy first
+        kept.append(token)
+        held += probs[token]
+        if held >= mass:
+            break
+    cutoff = max(distance[t] for t in kept)
+    return [distance[t] <= cutoff for t in range(len(probs))]
+
+
+def reference_top_n_sigma(logits, n):
+    finite = [x for x in logits.tolist() if math.isfinite(x)]
+    mean = sum(finite) / len(finite)
+    std = math.sqrt(sum((x - mean) ** 2 for x in finite) / len(finite))
+    return [x >= max(finite) - n * std for x in logits.tolist()]
+
+
+def kept(out: torch.Tensor, logits: torch.Tensor) -> list[bool]:
+    """Which tokens a truncation kept, checking that it left their logits as they were."""
+    mask = ~torch.isneginf(out)
+    assert torch.equal(out[mask], logits[mask])
+    return mask.tolist()
+
+
 # ---- each processor --------------------------------------------------------------------
 
 
@@ -108,6 +137,26 @@ def test_min_p_leaves_greedy_requests_and_nan_logits_alone():
     with_nan[10] = float("nan")
     out = processors.min_p(with_nan, min_p=0.5, temperature=1.0)
     assert not torch.isinf(out).any(), "a NaN maximum drops nothing; the sampler counts NaN as -inf"
+
+
+@pytest.mark.parametrize("mass, temperature", [(0.2, 1.0), (0.5, 0.7), (0.9, 1.3), (0.999, 1.0)])
+def test_typical_p_matches_the_reference_on_the_tempered_distribution(mass, temperature):
+    logits = random_logits(8) / 3  # flatter: the entropy falls among the tokens, not at the top
+    logits[:20] = float("-inf")  # masked by a grammar
+    out = processors.typical_p(logits, typical_p=mass, temperature=temperature)
+    expected = reference_typical(logits, mass, temperature)
+    assert kept(out, logits) == expected
+    assert 0 < sum(expected) < VOCAB - 20
+
+
+@pytest.mark.parametrize("n", [0.5, 1.0, 2.5])
+def test_top_n_sigma_matches_the_reference_over_the_finite_logits(n):
+    logits = random_logits(9)
+    logits[:50] = float("-inf")  # masked: left out of the mean and deviation
+    out = processors.top_n_sigma(logits, top_n_sigma=n)
+    expected = reference_top_n_sigma(logits, n)
+    assert kept(out, logits) == expected
+    assert 0 < sum(expected) < VOCAB - 50
 
 
 def test_neutral_parameters_cost_nothing():
@@ -219,3 +268,53 @@ def test_logit_bias_and_penalties_steer_the_decode_loop(tiny_engine, tokenizer):
     assert penalized[0] == plain[0], "frequency and presence count the output only"
     assert len(set(penalized)) == len(penalized)
     assert tokens(repetition_penalty=2.0)[0] != plain[0], "repetition_penalty counts the prompt too"
+
+
+# ---- through a real server on the tiny model: validation, the OpenAPI document, /metrics ------------
+
+ASK = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0.8, "seed": 5}
+# Each processor's fields set away from neutral, as a client would.
+SETTINGS = {
+    "repetition_penalty": {"repetition_penalty": 1.2},
+    "frequency_penalty": {"frequency_penalty": 0.5},
+    "presence_penalty": {"presence_penalty": 0.5},
+    "logit_bias": {"logit_bias": {"5": -100}},
+    "min_p": {"min_p": 0.05},
+    "top_n_sigma": {"top_n_sigma": 1.5},
+    "typical_p": {"typical_p": 0.9},
+}
+BAD = [
+    ({"typical_p": 0}, "typical_p must be above 0"),
+    ({"typical_p": 1.5}, "typical_p must be between 0 and 1"),
+    ({"top_n_sigma": -1}, "top_n_sigma must be between 0 and 100"),
+    ({"top_n_sigma": "2"}, "top_n_sigma must be a number"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint):
+    with servers.running("--checkpoint-path", tiny_checkpoint) as running:
+        yield running
+
+
+def post(server, body: dict) -> servers.Reply:
+    return servers.request(server.url, "POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+
+
+@pytest.mark.parametrize("fields, message", BAD, ids=[message for _, message in BAD])
+def test_bad_values_are_400_naming_the_field(server, fields, message):
+    reply = post(server, {**ASK, **fields})
+    assert reply.status == 400 and message in reply.json()["detail"], reply.body
+
+
+def test_each_processor_runs_is_documented_and_counted(server):
+    assert sorted(SETTINGS) == sorted(processor.name for processor in processors.PROCESSORS), "every processor is tried"
+    document = servers.request(server.url, "GET", "/openapi.json").json()
+    documented = document["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    for name, fields in SETTINGS.items():
+        reply = post(server, {**ASK, **fields})
+        assert reply.status == 200 and reply.json()["usage"]["completion_tokens"] == 4, reply.body
+        assert all(field in documented for field in fields)
+    metrics = servers.request(server.url, "GET", "/metrics").body.decode()
+    for name in SETTINGS:
+        assert f'tornchat_request_options_total{{option="{name}"}} 1.0' in metrics

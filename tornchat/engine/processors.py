@@ -159,6 +159,38 @@ def min_p(logits: torch.Tensor, *, min_p: float, temperature: float) -> torch.Te
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
+def top_n_sigma(logits: torch.Tensor, *, top_n_sigma: float) -> torch.Tensor:
+    """Top-nσ (Tang et al.; llama.cpp's top-n-sigma): keep tokens whose logit is at least max - n x std.
+
+    Mean, standard deviation (of the population) and max are over the finite
+    logits (the mask's -inf left out). Dividing by the temperature scales all
+    three alike, so the raw logits give the same tokens.
+    """
+    finite = torch.isfinite(logits)
+    count = finite.sum()
+    mean = torch.where(finite, logits, 0.0).sum() / count
+    std = (torch.where(finite, logits - mean, 0.0).square().sum() / count).sqrt()
+    top = torch.where(finite, logits, float("-inf")).max()
+    # No finite logit: the threshold is NaN, which compares False and drops nothing.
+    return logits.masked_fill(logits < top - top_n_sigma * std, float("-inf"))
+
+
+def typical_p(logits: torch.Tensor, *, typical_p: float, temperature: float) -> torch.Tensor:
+    """Locally typical sampling (Meister et al.; HF's TypicalLogitsWarper).
+
+    Tokens ordered by how far their surprisal -log p is from the entropy, the
+    nearest first; those are kept until they hold typical_p of the probability.
+    """
+    log_probs = torch.log_softmax(logits / temperature, dim=-1)
+    probs = log_probs.exp()
+    entropy = -(log_probs * probs).nansum()  # 0 x -inf (masked tokens) is NaN: they add nothing
+    distance = (-log_probs - entropy).abs()
+    nearest, order = torch.sort(distance)
+    held = probs[order].cumsum(0)
+    last = (held < typical_p).sum().clamp(max=logits.shape[-1] - 1)  # a tensor: no wait for the device
+    return logits.masked_fill(distance > nearest[last], float("-inf"))
+
+
 # ---- the records, in the order each stage runs them ----------------------------------------
 
 PROCESSORS: tuple[Processor, ...] = (
@@ -186,6 +218,19 @@ PROCESSORS: tuple[Processor, ...] = (
         (Field("logit_bias", BIAS, (), "added to those tokens' logits (-100 bans a token in practice, 100 forces "
                "it); ids from 0 to the vocabulary's size - 1", low=-100.0, high=100.0),),
         BEFORE_MASK, logit_bias, "last before the mask, so that a bias has the last word",
+    ),
+    Processor(
+        "top_n_sigma",
+        (Field("top_n_sigma", NUMBER, 0.0, "top-nσ: keep the tokens whose logit is at least the largest minus this many "
+               "standard deviations of the finite logits; 0 is off", low=0.0, high=100.0),),
+        AFTER_MASK, top_n_sigma, "first of the truncations, as in llama.cpp",
+    ),
+    Processor(
+        "typical_p",
+        (Field("typical_p", NUMBER, 1.0, "locally typical sampling: keep the tokens whose surprisal is nearest the "
+               "entropy until they hold this much probability (after temperature); 1 is off",
+               low=0.0, high=1.0, above_low=True),),
+        AFTER_MASK, typical_p, "HF's TypicalLogitsWarper", needs=("temperature",),
     ),
     Processor(
         "min_p",
