@@ -83,6 +83,21 @@ def reference_top_n_sigma(logits, n):
     return [x >= max(finite) - n * std for x in logits.tolist()]
 
 
+def reference_dry(logits, ids, multiplier, base, allowed, breaking):
+    """For each earlier token ids[j]: how many tokens before it equal the text's last ones (no breaker among them)."""
+    longest = {}
+    for j in range(1, len(ids)):
+        n = 0
+        while n < 50 and n < j and ids[j - 1 - n] == ids[-1 - n] and ids[-1 - n] not in breaking:
+            n += 1
+        if n >= allowed and ids[j] not in breaking:
+            longest[ids[j]] = max(n, longest.get(ids[j], 0))
+    out = logits.clone()
+    for token, n in longest.items():
+        out[token] -= multiplier * base ** (n - allowed)
+    return out
+
+
 def kept(out: torch.Tensor, logits: torch.Tensor) -> list[bool]:
     """Which tokens a truncation kept, checking that it left their logits as they were."""
     mask = ~torch.isneginf(out)
@@ -157,6 +172,55 @@ def test_top_n_sigma_matches_the_reference_over_the_finite_logits(n):
     expected = reference_top_n_sigma(logits, n)
     assert kept(out, logits) == expected
     assert 0 < sum(expected) < VOCAB - 50
+
+
+DRY = {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_sequence_breakers": ("\n", ":", '"', "*")}
+NEWLINE, COLON = 198, 42  # SmolLM2's "\n" and ":": breakers by default; 300 to 320 are not
+
+
+def dry(logits, ids, tokenizer, **fields):
+    h = history(ids[:3], ids[3:])
+    return processors.dry(logits, **{**DRY, **fields}, history=h, tokenizer=tokenizer)
+
+
+def test_dry_penalizes_the_token_that_would_extend_a_repeat(tokenizer):
+    logits = random_logits(10)
+    #      [a    b    c    d    e    NL       a    b    c ]: "d" would repeat "a b c d"; c, b, a match back to the start
+    ids = [300, 301, 302, 303, 304, NEWLINE, 300, 301, 302]
+    out = dry(logits, ids, tokenizer)
+    expected = logits.clone()
+    expected[303] -= 0.8 * 1.75 ** (3 - 2)
+    torch.testing.assert_close(out, expected)
+    # A breaker inside the repeat cuts it: "c NL a b" is matched back to the NL only, 2 long: 0.8 x 1.75^0.
+    ids = [300, 302, NEWLINE, 300, 301, 305, 302, NEWLINE, 300, 301]
+    expected = logits.clone()
+    expected[305] -= 0.8
+    torch.testing.assert_close(dry(logits, ids, tokenizer), expected)
+    assert torch.equal(dry(logits, ids, tokenizer, dry_allowed_length=3), logits), "2 long is allowed"
+    assert torch.equal(dry(logits, [300, COLON, 300, COLON, 300], tokenizer), logits), "a breaker is never penalized"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dry_matches_the_reference_on_random_histories(tokenizer, seed):
+    gen = torch.Generator().manual_seed(seed)
+    alphabet = torch.tensor([300, 301, 302, 303, NEWLINE, COLON])  # few tokens: many repeats, some across breakers
+    ids = alphabet[torch.randint(0, 6 - seed % 3, (120,), generator=gen)].tolist() + [302, 300, 301]  # no breaker at the end
+    fields = {"dry_multiplier": 0.5 + seed / 4, "dry_base": 1.1 + seed / 10, "dry_allowed_length": 1 + seed % 3}
+    if seed == 5:
+        fields["dry_sequence_breakers"] = ("ur", "\n")  # 315 "ur" breaks; ":" no longer does
+        ids = [315 if t == 303 else t for t in ids]
+    breaking = {t for t in (NEWLINE, COLON, 315) if any(b in tokenizer.decode([t]) for b in fields.get("dry_sequence_breakers", DRY["dry_sequence_breakers"]))}
+    logits = random_logits(seed)
+    out = dry(logits, ids, tokenizer, **fields)
+    expected = reference_dry(logits, ids, fields["dry_multiplier"], fields["dry_base"], fields["dry_allowed_length"], breaking)
+    torch.testing.assert_close(out, expected)
+    assert not torch.equal(out, logits)
+
+
+def test_dry_is_off_at_multiplier_zero_whatever_else_is_set(tokenizer):
+    logits, ids = random_logits(11), [300, 301, 302, 300, 301]
+    assert processors.dry(logits, **{**DRY, "dry_multiplier": 0.0}, history=history(ids), tokenizer=tokenizer) is logits
+    assert run(logits, SamplingParams(options={"dry_base": 3.0, "dry_allowed_length": 1}), history(ids), tokenizer) is logits
 
 
 def test_neutral_parameters_cost_nothing():
@@ -278,6 +342,7 @@ SETTINGS = {
     "repetition_penalty": {"repetition_penalty": 1.2},
     "frequency_penalty": {"frequency_penalty": 0.5},
     "presence_penalty": {"presence_penalty": 0.5},
+    "dry": {"dry_multiplier": 0.8, "dry_sequence_breakers": ["\n", "Hi"]},
     "logit_bias": {"logit_bias": {"5": -100}},
     "min_p": {"min_p": 0.05},
     "top_n_sigma": {"top_n_sigma": 1.5},
@@ -288,6 +353,13 @@ BAD = [
     ({"typical_p": 1.5}, "typical_p must be between 0 and 1"),
     ({"top_n_sigma": -1}, "top_n_sigma must be between 0 and 100"),
     ({"top_n_sigma": "2"}, "top_n_sigma must be a number"),
+    ({"dry_multiplier": -0.5}, "dry_multiplier must be between 0 and 100"),
+    ({"dry_base": 1}, "dry_base must be above 1"),
+    ({"dry_allowed_length": 0}, "dry_allowed_length must be at least 1"),
+    ({"dry_allowed_length": 1.5}, "dry_allowed_length must be an integer"),
+    ({"dry_sequence_breakers": "\n"}, "dry_sequence_breakers must be an array of at most 16 strings of 1 to 20 characters"),
+    ({"dry_sequence_breakers": [""]}, "dry_sequence_breakers must be an array"),
+    ({"dry_sequence_breakers": ["x"] * 17}, "dry_sequence_breakers must be an array"),
 ]
 
 

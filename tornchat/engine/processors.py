@@ -36,8 +36,11 @@ import torch
 
 from tornchat.engine.types import SamplingParams
 from tornchat.kernels.sampling import GREEDY_TEMPERATURE
+from tornchat.kernels.stopcheck import spellings
 
 BEFORE_MASK, AFTER_MASK = "before the grammar mask", "after the grammar mask"
+# DRY follows a repeat back this far at most (as text-generation-webui): bounds its work a step, and the penalty.
+DRY_LONGEST_MATCH = 50
 # Kinds of request field: how validation reads one and how the OpenAPI document describes it.
 NUMBER, INTEGER, STRINGS, BIAS = "number", "integer", "strings", "bias"  # BIAS: {"token id": number}, ids below the vocabulary's size
 
@@ -146,6 +149,50 @@ def _dense_bias(pairs: tuple[tuple[int, float], ...], vocab: int, device: torch.
     return bias.to(device)
 
 
+def dry(logits: torch.Tensor, *, dry_multiplier: float, dry_base: float, dry_allowed_length: int,
+        dry_sequence_breakers: tuple[str, ...], history: History, tokenizer) -> torch.Tensor:
+    """DRY, "Don't Repeat Yourself" (koboldcpp, text-generation-webui, llama.cpp).
+
+    Where the text so far ends with a sequence that occurred before, the
+    token that followed it then would extend the repeat: its logit loses
+    multiplier x base^(length - allowed_length) for a repeat of length >=
+    allowed_length (the longest, where several precede the same token). A
+    repeat is not followed across a token whose text holds a sequence
+    breaker, nor into one.
+    """
+    if dry_multiplier == 0.0:
+        return logits
+    breakers = _breaking_ids(tokenizer, tuple(dry_sequence_breakers))
+    ids = history.prompt_ids + history.output_ids
+    end = len(ids) - 1
+    if end < 1 or ids[end] in breakers:
+        return logits
+    longest: dict[int, int] = {}  # token -> the longest repeat it would extend
+    for i in range(end):
+        following = ids[i + 1]
+        if ids[i] != ids[end] or following in breakers or following >= logits.shape[-1]:
+            continue
+        length = 1  # ids[i] is the last token again; how far back does the match go?
+        while (length < DRY_LONGEST_MATCH and length <= i and ids[i - length] == ids[end - length]
+               and ids[end - length] not in breakers):
+            length += 1
+        if length >= dry_allowed_length and length > longest.get(following, 0):
+            longest[following] = length
+    if not longest:
+        return logits
+    tokens = torch.tensor(list(longest), device=logits.device)
+    # Past fp32's range (a long repeat, a large base) the penalty is inf: the token is banned.
+    penalties = [dry_multiplier * dry_base ** (length - dry_allowed_length) for length in longest.values()]
+    return logits.index_add(0, tokens, torch.tensor(penalties, dtype=logits.dtype, device=logits.device), alpha=-1)
+
+
+@functools.lru_cache(maxsize=8)  # per tokenizer and list of breakers: a pass over the vocabulary
+def _breaking_ids(tokenizer, breakers: tuple[str, ...]) -> frozenset[int]:
+    """The ids whose text holds one of the breakers."""
+    needles = [breaker.encode() for breaker in breakers]
+    return frozenset(i for i, text in enumerate(spellings(tokenizer)) if any(needle in text for needle in needles))
+
+
 # ---- after the grammar mask: truncations of softmax(logits / temperature) ----------------
 
 
@@ -212,6 +259,19 @@ PROCESSORS: tuple[Processor, ...] = (
         (Field("presence_penalty", NUMBER, 0.0, "OpenAI: subtracted once from the logit of every token that occurs in "
                "the output", low=-2.0, high=2.0),),
         BEFORE_MASK, presence_penalty, "over the output's tokens", needs=("history",),
+    ),
+    Processor(
+        "dry",
+        (
+            Field("dry_multiplier", NUMBER, 0.0, "DRY: how hard a token that would extend a repeat is penalized; 0 is off",
+                  low=0.0, high=100.0),
+            Field("dry_base", NUMBER, 1.75, "DRY: the penalty grows by this factor per token of repeat past "
+                  "dry_allowed_length", low=1.0, high=10.0, above_low=True),
+            Field("dry_allowed_length", INTEGER, 2, "DRY: repeats this long go unpenalized", low=1),
+            Field("dry_sequence_breakers", STRINGS, ("\n", ":", '"', "*"), "DRY: a repeat is not followed across a "
+                  "token whose text holds one of these", high=16, longest=20),
+        ),
+        BEFORE_MASK, dry, "over the prompt's and the output's tokens, after the penalties", needs=("history", "tokenizer"),
     ),
     Processor(
         "logit_bias",
