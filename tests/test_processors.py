@@ -98,6 +98,13 @@ def reference_dry(logits, ids, multiplier, base, allowed, breaking):
     return out
 
 
+def reference_xtc(logits, threshold, temperature):
+    probs = torch.softmax(logits.double() / temperature, dim=-1).tolist()
+    top = [t for t, p in enumerate(probs) if p >= threshold and p > 0]
+    keep = min(top, key=lambda t: (probs[t], t)) if len(top) >= 2 else None
+    return [probs[t] > 0 and not (t in top and keep is not None and t != keep) for t in range(len(probs))]
+
+
 def kept(out: torch.Tensor, logits: torch.Tensor) -> list[bool]:
     """Which tokens a truncation kept, checking that it left their logits as they were."""
     mask = ~torch.isneginf(out)
@@ -221,6 +228,32 @@ def test_dry_is_off_at_multiplier_zero_whatever_else_is_set(tokenizer):
     logits, ids = random_logits(11), [300, 301, 302, 300, 301]
     assert processors.dry(logits, **{**DRY, "dry_multiplier": 0.0}, history=history(ids), tokenizer=tokenizer) is logits
     assert run(logits, SamplingParams(options={"dry_base": 3.0, "dry_allowed_length": 1}), history(ids), tokenizer) is logits
+
+
+@pytest.mark.parametrize("threshold, temperature", [(0.1, 1.0), (0.15, 0.8), (0.05, 2.0), (0.2, 0.5), (0.0, 1.0), (0.5, 1.0)])
+def test_xtc_matches_the_reference_when_it_fires(threshold, temperature):
+    logits = random_logits(12)
+    logits[[3, 4, 5]] = logits.max() + torch.tensor([0.3, 0.2, 0.1])  # a few top choices close together
+    logits[:3] = float("-inf")  # masked
+    out = processors.xtc(logits, xtc_probability=1.0, xtc_threshold=threshold, temperature=temperature, seed=1, index=0)
+    expected = reference_xtc(logits, threshold, temperature)
+    assert kept(out, logits) == expected
+    assert sum(expected) < VOCAB - 3 or threshold == 0.5, "some top choices were excluded"
+
+
+def test_xtc_fires_at_its_probability_keyed_by_seed_and_index():
+    logits = random_logits(13)
+    logits[[3, 4]] = logits.max() + 1.0  # two top choices: excluded whenever XTC fires
+
+    def fired(seed, index, probability=0.3):
+        out = processors.xtc(logits, xtc_probability=probability, xtc_threshold=0.1, temperature=1.0, seed=seed, index=index)
+        return out is not logits
+
+    pattern = [fired(7, i) for i in range(2000)]
+    assert 0.27 < sum(pattern) / len(pattern) < 0.33
+    assert pattern == [fired(7, i) for i in range(2000)], "the same draw for the same seed and index"
+    assert pattern != [fired(8, i) for i in range(2000)]
+    assert all(fired(7, i, 1.0) for i in range(100)) and not any(fired(7, i, 0.0) for i in range(100))
 
 
 def test_neutral_parameters_cost_nothing():
@@ -347,12 +380,16 @@ SETTINGS = {
     "min_p": {"min_p": 0.05},
     "top_n_sigma": {"top_n_sigma": 1.5},
     "typical_p": {"typical_p": 0.9},
+    "xtc": {"xtc_probability": 0.5, "xtc_threshold": 0.05},
 }
 BAD = [
     ({"typical_p": 0}, "typical_p must be above 0"),
     ({"typical_p": 1.5}, "typical_p must be between 0 and 1"),
     ({"top_n_sigma": -1}, "top_n_sigma must be between 0 and 100"),
     ({"top_n_sigma": "2"}, "top_n_sigma must be a number"),
+    ({"xtc_probability": 1.5}, "xtc_probability must be between 0 and 1"),
+    ({"xtc_threshold": 0.6}, "xtc_threshold must be between 0 and 0.5"),
+    ({"xtc_threshold": None, "xtc_probability": [0.5]}, "xtc_probability must be a number"),
     ({"dry_multiplier": -0.5}, "dry_multiplier must be between 0 and 100"),
     ({"dry_base": 1}, "dry_base must be above 1"),
     ({"dry_allowed_length": 0}, "dry_allowed_length must be at least 1"),

@@ -238,6 +238,32 @@ def typical_p(logits: torch.Tensor, *, typical_p: float, temperature: float) -> 
     return logits.masked_fill(distance > nearest[last], float("-inf"))
 
 
+def xtc(logits: torch.Tensor, *, xtc_probability: float, xtc_threshold: float, temperature: float, seed: int,
+        index: int) -> torch.Tensor:
+    """XTC, Exclude Top Choices (text-generation-webui, llama.cpp).
+
+    With probability xtc_probability, where two or more tokens have
+    probability >= xtc_threshold, all of them but the least probable are
+    dropped (of those as probable, the lowest id is kept). The draw is keyed by
+    the seed and the token's index in the reply, as the sampler's is, so a
+    speculative verify's rows exclude what steps would.
+    """
+    if _draw(seed, index) >= xtc_probability:
+        return logits
+    probs = torch.softmax(logits / temperature, dim=-1)
+    top = (probs >= xtc_threshold) & (probs > 0)  # a masked token is never a choice, whatever the threshold
+    least = torch.where(top, probs, float("inf")).argmin()  # with one top token, that one: nothing is dropped
+    return logits.masked_fill(top.index_fill(0, least.view(1), False), float("-inf"))
+
+
+def _draw(seed: int, index: int) -> float:
+    """Uniform in [0, 1), from (seed, index) alone: SplitMix64's finalizer over the two mixed."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xD1B54A32D192ED03 + 0x2545F4914F6CDD1D) % (1 << 64)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return ((x ^ (x >> 31)) >> 11) / (1 << 53)
+
+
 # ---- the records, in the order each stage runs them ----------------------------------------
 
 PROCESSORS: tuple[Processor, ...] = (
@@ -297,6 +323,18 @@ PROCESSORS: tuple[Processor, ...] = (
         (Field("min_p", NUMBER, 0.0, "drop tokens whose probability (after temperature) is below `min_p` times the "
                "most likely token's", low=0.0, high=1.0),),
         AFTER_MASK, min_p, "keeps the tokens with p >= min_p * p_max", needs=("temperature",),
+    ),
+    Processor(
+        "xtc",
+        (
+            Field("xtc_probability", NUMBER, 0.0, "XTC: the chance, at each token, that the top choices are excluded; "
+                  "0 is off", low=0.0, high=1.0),
+            Field("xtc_threshold", NUMBER, 0.1, "XTC: the top choices are the tokens at least this probable (after "
+                  "temperature); where there are two or more, all but the least probable are excluded",
+                  low=0.0, high=0.5),
+        ),
+        AFTER_MASK, xtc, "last of the truncations, as in llama.cpp; its draw is keyed by the seed and the token's "
+        "index in the reply", needs=("temperature", "seed", "index"),
     ),
 )
 
