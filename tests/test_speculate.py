@@ -144,6 +144,9 @@ OPTIONS = {
     "seeded": dict(sampling=SEEDED),
     "penalties and logprobs": dict(logprobs=3, sampling=SamplingParams(temperature=0.5, seed=99, options=dict(
         frequency_penalty=0.05, presence_penalty=0.05, repetition_penalty=1.02, logit_bias=((28, -2.0),), min_p=0.05))),
+    # XTC's draw, like the sampler's, is keyed by (seed, index); DRY reads the history a verify's rows extend.
+    "dry, xtc, typical_p, top_n_sigma": dict(sampling=SamplingParams(temperature=0.7, seed=5, options=dict(
+        dry_multiplier=0.8, xtc_probability=0.5, xtc_threshold=0.05, typical_p=0.95, top_n_sigma=2.0))),
     "stop string": dict(sampling=SamplingParams(temperature=0.0), stop=("return",)),
     "odd max_tokens": dict(sampling=SEEDED, max_tokens=37),
 }
