@@ -1,5 +1,6 @@
 """Logits processors and log-probabilities against plain PyTorch references, alone and in the decode loop."""
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -284,6 +285,14 @@ def test_processors_run_in_the_documented_order():
     torch.testing.assert_close(run(logits, params, history()), expected)
     before = [p.name for p in processors.PROCESSORS if p.stage == processors.BEFORE_MASK]
     assert before[:3] == ["repetition_penalty", "frequency_penalty", "presence_penalty"] and before[-1] == "logit_bias"
+
+
+def test_the_api_doc_lists_every_processor_field_with_its_records_doc():
+    rows = {line.split(" | ")[0]: line for line in (Path(__file__).parent.parent / "docs" / "api.md").read_text().splitlines()}
+    for processor in processors.PROCESSORS:
+        for field in processor.fields:
+            row = rows.get(f"| `{field.name}`")
+            assert row is not None and row.endswith(f" | {field.doc} |"), f"docs/api.md's row for {field.name}"
 
 
 # ---- log-probabilities -----------------------------------------------------------------

@@ -4,8 +4,9 @@ Each processor is one record in PROCESSORS: its name, its request fields
 (kind, range, neutral value, one line of doc), its stage and its function.
 Validation (server/validate.py), the OpenAPI document (server/openapi.py),
 the /metrics labels (server/metrics.py) and the Chooser (choose.py) read
-the records; adding a processor is its function and its record here, and
-its tests.
+the records; adding a processor is its function and its record here, its
+tests, and its fields' rows in docs/api.md (a test holds them to the
+records' doc lines).
 
 A function is ``f(logits, **fields, **needs) -> logits``: ``logits`` are the
 fp32 logits [V] of the next token, ``fields`` the values of its request
@@ -289,13 +290,15 @@ PROCESSORS: tuple[Processor, ...] = (
     Processor(
         "dry",
         (
-            Field("dry_multiplier", NUMBER, 0.0, "DRY: how hard a token that would extend a repeat is penalized; 0 is off",
+            Field("dry_multiplier", NUMBER, 0.0, "DRY (Don't Repeat Yourself): a token that would extend a repeat of the text's "
+                  "end, of length >= `dry_allowed_length`, loses multiplier x base^(length - `dry_allowed_length`) "
+                  "from its logit; 0 is off",
                   low=0.0, high=100.0),
             Field("dry_base", NUMBER, 1.75, "DRY: the penalty grows by this factor per token of repeat past "
-                  "dry_allowed_length", low=1.0, high=10.0, above_low=True),
-            Field("dry_allowed_length", INTEGER, 2, "DRY: repeats this long go unpenalized", low=1),
+                  "`dry_allowed_length`; 1.75 if not given", low=1.0, high=10.0, above_low=True),
+            Field("dry_allowed_length", INTEGER, 2, "DRY: repeats this long go unpenalized; 2 if not given", low=1),
             Field("dry_sequence_breakers", STRINGS, ("\n", ":", '"', "*"), "DRY: a repeat is not followed across a "
-                  "token whose text holds one of these", high=16, longest=20),
+                  "token whose text holds one of these; `[\"\\n\", \":\", \"\\\"\", \"*\"]` if not given", high=16, longest=20),
         ),
         BEFORE_MASK, dry, "over the prompt's and the output's tokens, after the penalties", needs=("history", "tokenizer"),
     ),
@@ -330,7 +333,7 @@ PROCESSORS: tuple[Processor, ...] = (
             Field("xtc_probability", NUMBER, 0.0, "XTC: the chance, at each token, that the top choices are excluded; "
                   "0 is off", low=0.0, high=1.0),
             Field("xtc_threshold", NUMBER, 0.1, "XTC: the top choices are the tokens at least this probable (after "
-                  "temperature); where there are two or more, all but the least probable are excluded",
+                  "temperature); where there are two or more, all but the least probable are excluded; 0.1 if not given",
                   low=0.0, high=0.5),
         ),
         AFTER_MASK, xtc, "last of the truncations, as in llama.cpp; its draw is keyed by the seed and the token's "
