@@ -1,7 +1,8 @@
 """Logits processors: what the decode loop does to the logits between the forward and the sampler.
 
 Each processor is one record in PROCESSORS: its name, its request fields
-(kind, range, neutral value, one line of doc), its stage and its function.
+(kind, range, neutral value, one line of doc), its stage, its function and
+what of the row's Context the function needs.
 Validation (server/validate.py), the OpenAPI document (server/openapi.py),
 the /metrics labels (server/metrics.py) and the Chooser (choose.py) read
 the records; adding a processor is its function and its record here, its
@@ -25,7 +26,8 @@ the reply reports (those are of the raw logits):
 - AFTER_MASK: truncations, defined on the tempered distribution
   ``softmax(logits / temperature)``: they must see the mask (applied before
   it, one could leave only tokens the grammar then forbids), and greedy rows
-  skip them (nothing is left to truncate that changes the most likely token).
+  skip them: a greedy request asks for the most likely token, whatever they
+  would keep of the rest (XTC would even drop it).
 - then the sampler (kernels/sampling.py): temperature, top-k, top-p, draw.
 """
 import functools
@@ -66,7 +68,6 @@ class Processor:
     fields: tuple[Field, ...]
     stage: str  # BEFORE_MASK or AFTER_MASK
     apply: Callable[..., torch.Tensor]  # (logits, **field values, **needs) -> logits
-    doc: str
     needs: tuple[str, ...] = ()  # Context attributes passed as keywords
 
     def values(self, options: dict) -> dict | None:
@@ -268,24 +269,24 @@ def _draw(seed: int, index: int) -> float:
 # ---- the records, in the order each stage runs them ----------------------------------------
 
 PROCESSORS: tuple[Processor, ...] = (
+    # Over the prompt's and the output's tokens: the prompt includes the chat template's own, as in HF and llama.cpp.
     Processor(
         "repetition_penalty",
         (Field("repetition_penalty", NUMBER, 1.0, "HF / llama.cpp: the logit of every token already in the prompt or the "
                "output is divided by it (multiplied, if negative); 1 is off", low=0.0, high=10.0, above_low=True),),
-        BEFORE_MASK, repetition_penalty, "over the prompt's and the output's tokens (the prompt includes the chat "
-        "template's own tokens, as in HF and llama.cpp)", needs=("history",),
+        BEFORE_MASK, repetition_penalty, needs=("history",),
     ),
     Processor(
         "frequency_penalty",
         (Field("frequency_penalty", NUMBER, 0.0, "OpenAI: subtracted from a token's logit once per time it occurs in "
                "the output", low=-2.0, high=2.0),),
-        BEFORE_MASK, frequency_penalty, "over the output's tokens", needs=("history",),
+        BEFORE_MASK, frequency_penalty, needs=("history",),
     ),
     Processor(
         "presence_penalty",
         (Field("presence_penalty", NUMBER, 0.0, "OpenAI: subtracted once from the logit of every token that occurs in "
                "the output", low=-2.0, high=2.0),),
-        BEFORE_MASK, presence_penalty, "over the output's tokens", needs=("history",),
+        BEFORE_MASK, presence_penalty, needs=("history",),
     ),
     Processor(
         "dry",
@@ -300,32 +301,34 @@ PROCESSORS: tuple[Processor, ...] = (
             Field("dry_sequence_breakers", STRINGS, ("\n", ":", '"', "*"), "DRY: a repeat is not followed across a "
                   "token whose text holds one of these; `[\"\\n\", \":\", \"\\\"\", \"*\"]` if not given", high=16, longest=20),
         ),
-        BEFORE_MASK, dry, "over the prompt's and the output's tokens, after the penalties", needs=("history", "tokenizer"),
+        BEFORE_MASK, dry, needs=("history", "tokenizer"),
     ),
+    # Last before the mask, so that a bias has the last word.
     Processor(
         "logit_bias",
         (Field("logit_bias", BIAS, (), "added to those tokens' logits (-100 bans a token in practice, 100 forces "
                "it); ids from 0 to the vocabulary's size - 1", low=-100.0, high=100.0),),
-        BEFORE_MASK, logit_bias, "last before the mask, so that a bias has the last word",
+        BEFORE_MASK, logit_bias,
     ),
+    # The truncations in llama.cpp's order (its top-k and top-p are the sampler's here, after them).
     Processor(
         "top_n_sigma",
         (Field("top_n_sigma", NUMBER, 0.0, "top-nσ: keep the tokens whose logit is at least the largest minus this many "
                "standard deviations of the finite logits; 0 is off", low=0.0, high=100.0),),
-        AFTER_MASK, top_n_sigma, "first of the truncations, as in llama.cpp",
+        AFTER_MASK, top_n_sigma,
     ),
     Processor(
         "typical_p",
         (Field("typical_p", NUMBER, 1.0, "locally typical sampling: keep the tokens whose surprisal is nearest the "
                "entropy until they hold this much probability (after temperature); 1 is off",
                low=0.0, high=1.0, above_low=True),),
-        AFTER_MASK, typical_p, "HF's TypicalLogitsWarper", needs=("temperature",),
+        AFTER_MASK, typical_p, needs=("temperature",),
     ),
     Processor(
         "min_p",
         (Field("min_p", NUMBER, 0.0, "drop tokens whose probability (after temperature) is below `min_p` times the "
                "most likely token's", low=0.0, high=1.0),),
-        AFTER_MASK, min_p, "keeps the tokens with p >= min_p * p_max", needs=("temperature",),
+        AFTER_MASK, min_p, needs=("temperature",),
     ),
     Processor(
         "xtc",
@@ -336,8 +339,7 @@ PROCESSORS: tuple[Processor, ...] = (
                   "temperature); where there are two or more, all but the least probable are excluded; 0.1 if not given",
                   low=0.0, high=0.5),
         ),
-        AFTER_MASK, xtc, "last of the truncations, as in llama.cpp; its draw is keyed by the seed and the token's "
-        "index in the reply", needs=("temperature", "seed", "index"),
+        AFTER_MASK, xtc, needs=("temperature", "seed", "index"),
     ),
 )
 
