@@ -29,7 +29,7 @@ import workloads  # noqa: E402
 from tornchat import checkpoint, prompt  # noqa: E402
 from tornchat.config import Config  # noqa: E402
 from tornchat.engine import GenerationRequest, SamplingParams  # noqa: E402
-from tornchat.engine.build import build_engine  # noqa: E402
+from tornchat.build import build_engine  # noqa: E402
 from tornchat.engine.cpu import describe  # noqa: E402
 from tornchat.engine.slots import SlotPool  # noqa: E402
 

@@ -24,7 +24,7 @@ import servers  # noqa: E402  (the test helper that starts the real server)
 
 from tornchat import functions, prompt  # noqa: E402
 from tornchat.config import Config  # noqa: E402
-from tornchat.engine.build import build_engine  # noqa: E402
+from tornchat.build import build_engine  # noqa: E402
 from tornchat.engine.cpu import describe  # noqa: E402
 from tornchat.engine.types import GenerationRequest, SamplingParams  # noqa: E402
 
