@@ -122,9 +122,9 @@ def first_line(exc: BaseException) -> str:
 
 
 def gguf_tokenizer(file):
-    """The tokenizer of a GGUF (its header read: ``gguf_file.GGUFFile``): built from its metadata in about
-    0.3 s, or for a kind of tokenizer ``gguf_tokenizer`` does not build, through transformers' conversion
-    (seconds), saved once beside the converted models."""
+    """The tokenizer of a GGUF (its header read: ``gguf_file.GGUFFile``): built from its metadata, or for a
+    kind of tokenizer ``gguf_tokenizer`` does not build, through transformers' slower conversion, saved once
+    beside the converted models."""
     from transformers import AutoTokenizer
 
     from tornchat.weights import gguf_tokenizer as built
