@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     if "llamacpp" in wanted and (problem := llama_server_problem(llama_server)):
         p.error(f"the llama.cpp baseline: {problem}\nor leave llamacpp out of --systems.")
     workload = workloads.QUICK if args.quick else workloads.FULL
-    tokenizer = checkpoint.gguf_tokenizer(gguf_file.GGUFFile(model))
+    tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(model))
     user_messages = workloads.chat_user_messages(workload, tokenizer)
     started = stamp()
     report = {

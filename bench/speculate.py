@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(name.startswith("llamacpp") for name in wanted) and (problem := llama_server_problem(llama_server)):
         p.error(f"the llama.cpp baseline: {problem}\nor leave llamacpp and llamacpp-lookup out of --systems.")
 
-    tokenizer = checkpoint.gguf_tokenizer(gguf_file.GGUFFile(model))
+    tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(model))
     cases = workloads.speculation_workloads()
     if args.workloads:
         names = [name.strip() for name in args.workloads.split(",")]
