@@ -9,7 +9,7 @@ from a KV slot on every path: the figures compare the APIs' own costs. Then
 a second turn through each agent API (the first turn's reply and a new user
 message appended): its cached prompt tokens against its prompt's length.
 
-    python bench/agents_apis.py [--tokens 64] [--rounds 3]
+    python -m bench.agents_apis [--tokens 64] [--rounds 3]
 
 Medians over the rounds, with each figure's range, and each agent API's
 difference from chat completions in percent: the median over rounds of its
@@ -19,12 +19,10 @@ changes between rounds still compares like with like).
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import servers  # noqa: E402  (the test helper that starts the real server)
+from bench import servers
+from bench.common import rate_after_first
 
 QUESTION = "Write a long, detailed story about a dragon who learns to bake bread."
 
@@ -87,7 +85,7 @@ def run(server, api: str, path: str, body: dict) -> dict:
             text += piece
         tokens = output_tokens(api, data) or tokens
     conn.close()
-    return {"ttft_ms": (first - start) * 1000, "decode_tps": (tokens - 1) / (last - first), "tokens": tokens, "text": text}
+    return {"ttft_ms": (first - start) * 1000, "decode_tps": rate_after_first(tokens, first, last), "tokens": tokens, "text": text}
 
 
 def second_turn(server, tokens: int) -> dict:

@@ -6,7 +6,7 @@ from scratch (no KV cache kept between requests), streaming through a
 benchmark sends is supported: messages, max_tokens, temperature, top_p,
 stream and stream_options.include_usage. Not product code.
 
-    python bench/baseline_server.py --port 8001 --threads 2
+    python -m bench.baseline_server --port 8001 --threads 2
 """
 import argparse
 import asyncio

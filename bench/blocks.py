@@ -8,7 +8,7 @@ Q4_K and Q6_K, and the 135M SmolLM2's (hidden 576: qkv 960, o 576, gate+up 3072,
   verify (4 rows): time / the 1-row time, weights from memory (and in parentheses both from cache);
   prefill (512 rows): GOPS (2 * rows * N * K / s) and torch._int_mm's GOPS on int8 [512, K] x [K, N].
 
-    python bench/blocks.py [--isa avx2,...] [--threads 2] [--quick]
+    python -m bench.blocks [--isa avx2,...] [--threads 2] [--quick]
 """
 import argparse
 import time

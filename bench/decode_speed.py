@@ -18,7 +18,7 @@ attention, the rest). Then the quality of each: per-position greedy
 agreement with fp32 (both fed fp32's choice) over fixed prompts, and
 perplexity on a fixed text, against the dequantized file.
 
-    python bench/decode_speed.py [--checkpoint-path FILE.gguf] [--threads 2] [--steps 64] [--rounds 3]
+    python -m bench.decode_speed [--checkpoint-path FILE.gguf] [--threads 2] [--steps 64] [--rounds 3]
 """
 import argparse
 import importlib.util
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import greedy_steps_rate
 from tornchat import checkpoint
 from tornchat.engine import blocks, llama, quant
 from tornchat.engine.cpu import describe
@@ -53,11 +54,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 def decode_rate(runner, prompt: list[int], steps: int) -> float:
     cache = runner.new_cache()
-    logits = runner.forward(prompt, cache)
-    started = time.perf_counter()
-    for _ in range(steps):
-        logits = runner.forward([int(logits.argmax())], cache, decode=True)
-    return steps / (time.perf_counter() - started)
+    return greedy_steps_rate(runner, cache, int(runner.forward(prompt, cache).argmax()), steps)[0]
 
 
 def prefill_rate(runner, tokens: list[int]) -> float:

@@ -1,4 +1,4 @@
-"""End-to-end benchmark: tornchat against what a user would pick instead (issue 5).
+"""End-to-end benchmark: tornchat against what a user would pick instead.
 
 Each system runs as a real server on loopback, one at a time, with the same
 thread count, and is driven through the openai SDK with streaming, so TTFT
@@ -10,8 +10,8 @@ and the gaps between streamed chunks are what a client sees. Workloads:
   tokens by turn 6: TTFT per turn;
 - peak RSS of the server process and its children, sampled throughout.
 
-    python bench/e2e.py                      # every system (llama-server must be built, see below)
-    python bench/e2e.py --quick --systems baseline,llamacpp --llama-server /path/to/llama-server
+    python -m bench.e2e                      # every system (llama-server must be built, see below)
+    python -m bench.e2e --quick --systems baseline,llamacpp --llama-server /path/to/llama-server
 
 The llama.cpp baseline (system ``llamacpp``) is llama.cpp's own C++ server,
 ``llama-server``, started with the same GGUF file and the same thread count as
@@ -52,28 +52,23 @@ import importlib.util
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-import orjson
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import workloads  # noqa: E402  (sibling module; bench/ is not a package)
+from bench import servers, workloads
+from bench.common import RESULTS, free_port, percentile, rate_after_first, stamp, write_results
+from tornchat import checkpoint
+from tornchat.engine.cpu import describe
+from tornchat.weights import gguf_file
 
-from tornchat import checkpoint  # noqa: E402
-from tornchat.weights import gguf_file  # noqa: E402
-from tornchat.engine.cpu import describe  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 STARTUP_TIMEOUT_S = 600
 
 
@@ -111,8 +106,7 @@ def tornchat_systems(threads: int, port: int, model: Path) -> list[System]:
 
 
 def baseline_system(threads: int, port: int, model: Path) -> System:
-    script = str(Path(__file__).resolve().parent / "baseline_server.py")
-    command = [sys.executable, script, "--port", str(port), "--threads", str(threads), "--checkpoint-path", str(model)]
+    command = [sys.executable, "-m", "bench.baseline_server", "--port", str(port), "--threads", str(threads), "--checkpoint-path", str(model)]
     return System("baseline", "transformers generate per request (reference)", command, "baseline", "/health")
 
 
@@ -200,17 +194,20 @@ SYSTEM_BUILDERS = {
 OPT_IN_SYSTEMS = ("tornchat-defaults", "llamacpp-python")
 
 
+def chosen_systems(p: argparse.ArgumentParser, systems: str, known) -> list[str]:
+    """The names in --systems (comma-separated); the parser's error where one is not among ``known``."""
+    wanted = [name.strip() for name in systems.split(",") if name.strip()]
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        p.error(f"unknown systems {', '.join(unknown)}; choose from {', '.join(known)}")
+    return wanted
+
+
 def version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class RssSampler(threading.Thread):
@@ -240,51 +237,13 @@ class RssSampler(threading.Thread):
                 return
 
 
-class Server:
-    def __init__(self, system: System, port: int, threads: int):
-        self.system, self.port = system, port
-        RESULTS.joinpath("logs").mkdir(parents=True, exist_ok=True)
-        self.log_path = RESULTS / "logs" / f"{system.name}.log"
-        # Every runtime reads these; tornchat and the baseline also set their thread count from flags.
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "TOKENIZERS_PARALLELISM": "false", **system.env}
-        self.started = time.perf_counter()
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(system.command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)
-        self.rss = RssSampler(self.process.pid)
-        self.rss.start()
-
-    def wait_ready(self) -> float:
-        """Seconds from launch until the ready path answers 200; raises with the log's tail if it never does."""
-        url = f"http://127.0.0.1:{self.port}{self.system.ready_path}"
-        deadline = self.started + STARTUP_TIMEOUT_S
-        while time.perf_counter() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"exited with status {self.process.returncode}: {self.log_tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as reply:
-                    if reply.status == 200:
-                        return time.perf_counter() - self.started
-            except OSError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"not ready after {STARTUP_TIMEOUT_S} s: {self.log_tail()}")
-
-    def log_tail(self, lines: int = 3) -> str:
-        text = self.log_path.read_text(errors="replace").strip().splitlines()
-        return " | ".join(text[-lines:]) or "(no output)"
-
-    def stop(self) -> int:
-        self.rss.stopped.set()
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        return self.rss.peak
+def launch(system: System, port: int, threads: int) -> servers.Server:
+    """The system's server, its log under bench/results/logs/."""
+    RESULTS.joinpath("logs").mkdir(parents=True, exist_ok=True)
+    # Every runtime reads these; tornchat and the baseline also set their thread count from flags.
+    env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+           **system.env}
+    return servers.launch(system.command, port, RESULTS / "logs" / f"{system.name}.log", env, system.ready_path)
 
 
 def stream_once(client, model: str, messages: list[dict], max_tokens: int, tokenizer, **options) -> dict:
@@ -319,7 +278,6 @@ def stream_once(client, model: str, messages: list[dict], max_tokens: int, token
         tokens = max_tokens
     else:
         tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    decode_s = arrivals[-1] - arrivals[0]
     return {
         "ttft_s": arrivals[0] - started,
         "total_s": finished - started,
@@ -327,7 +285,7 @@ def stream_once(client, model: str, messages: list[dict], max_tokens: int, token
         "usage_reported": usage is not None,
         "finish_reason": finish_reason,
         "chunks": len(arrivals),
-        "decode_tok_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
+        "decode_tok_s": rate_after_first(tokens, arrivals[0], arrivals[-1]),
         "gaps_ms": [1000 * (b - a) for a, b in zip(arrivals, arrivals[1:])],
         "server_prompt_tokens": usage.prompt_tokens if usage else None,
         "usage": usage.model_dump(exclude_none=True) if usage else None,
@@ -336,18 +294,13 @@ def stream_once(client, model: str, messages: list[dict], max_tokens: int, token
     }
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def run_system(system: System, port: int, threads: int, workload: workloads.Workload, tokenizer,
                user_messages: list[str]) -> dict:
-    server = Server(system, port, threads)
+    server = launch(system, port, threads)
+    rss = RssSampler(server.process.pid)
+    rss.start()
     try:
-        result = drive(server, system, port, workload, tokenizer, user_messages)
+        result = drive(server, rss, system, port, workload, tokenizer, user_messages)
     except Exception as exc:
         code = server.process.poll()
         if code is None:
@@ -356,7 +309,9 @@ def run_system(system: System, port: int, threads: int, workload: workloads.Work
         how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
         raise RuntimeError(f"the server {how} mid-run ({exc}); log: {server.log_path}") from exc
     finally:
-        peak = server.stop()
+        rss.stopped.set()
+        servers.stop(server)
+        peak = rss.peak
         print(f"  stopped; peak RSS {peak / 2**20:.0f} MiB (log: {server.log_path})", flush=True)
     result["peak_rss_mib"] = peak / 2**20
     # Other work on a shared machine slows every figure; the load average says how much there was.
@@ -364,12 +319,12 @@ def run_system(system: System, port: int, threads: int, workload: workloads.Work
     return result
 
 
-def drive(server: Server, system: System, port: int, workload: workloads.Workload, tokenizer,
-          user_messages: list[str]) -> dict:
+def drive(server: servers.Server, rss: RssSampler, system: System, port: int, workload: workloads.Workload,
+          tokenizer, user_messages: list[str]) -> dict:
     from openai import OpenAI
 
-    ready_s = server.wait_ready()
-    print(f"  ready after {ready_s:.1f} s (rss {server.rss.current() / 2**20:.0f} MiB)", flush=True)
+    ready_s = servers.wait_ready(server, STARTUP_TIMEOUT_S)
+    print(f"  ready after {ready_s:.1f} s (rss {rss.current() / 2**20:.0f} MiB)", flush=True)
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="bench", max_retries=0, timeout=600)
     # The first request of a process pays one-time costs (lazy init, allocator growth);
     # the workloads measure the steady state a user sees after that.
@@ -435,7 +390,7 @@ def markdown(report: dict) -> str:
         "# End-to-end benchmark",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; every server runs with "
-        f"{m['threads']} threads. {report['started']}, `python bench/e2e.py{' --quick' if s['quick'] else ''}`.",
+        f"{m['threads']} threads. {report['started']}, `python -m bench.e2e{' --quick' if s['quick'] else ''}`.",
         f"Packages: {', '.join(f'{k} {v}' for k, v in m['packages'].items())}; llama.cpp baseline: llama-server "
         f"{(m.get('llama_server') or {}).get('version', 'unknown')}; tornchat at "
         f"`{m.get('tornchat_commit', 'unknown')}`.",
@@ -564,17 +519,14 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(args.checkpoint_path) if args.checkpoint_path else checkpoint.default_gguf_path()
     # Turn kill into an exception, so the finally blocks stop the server being measured.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    wanted = [name.strip() for name in args.systems.split(",") if name.strip()]
-    unknown = [name for name in wanted if name not in SYSTEM_BUILDERS]
-    if unknown:
-        p.error(f"unknown systems {', '.join(unknown)}; choose from {', '.join(SYSTEM_BUILDERS)}")
+    wanted = chosen_systems(p, args.systems, SYSTEM_BUILDERS)
     llama_server = find_llama_server(args.llama_server)
     if "llamacpp" in wanted and (problem := llama_server_problem(llama_server)):
         p.error(f"the llama.cpp baseline: {problem}\nor leave llamacpp out of --systems.")
     workload = workloads.QUICK if args.quick else workloads.FULL
-    tokenizer = checkpoint.gguf_tokenizer(gguf_file.GGUFFile(model))
+    tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(model))
     user_messages = workloads.chat_user_messages(workload, tokenizer)
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    started = stamp()
     report = {
         "started": datetime.now().isoformat(timespec="seconds"),
         "machine": machine(args.threads, llama_server),
@@ -600,9 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             entry["result"] = result
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    data = RESULTS / f"e2e-{stamp}.json"
-    data.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    data = write_results(RESULTS / f"e2e-{started}.json", report)
     table = RESULTS / "e2e.md"
     table.write_text(markdown(report))
     images = plot(report)

@@ -1,4 +1,4 @@
-"""Engine numbers for issue 2, all in one process and one run (2 threads).
+"""Engine numbers, all in one process and one run (2 threads).
 
 1. Decode tokens/s: our loop vs transformers `generate`, greedy, same model.
 2. Time to first token for each turn of a chat growing to ~2,000 tokens, then
@@ -7,33 +7,26 @@
 3. Start-up time of `tornchat serve`: first start (GGUF conversion into an
    empty cache) and second start (from the cache).
 
-    python bench/engine.py [--quick] [--skip-startup]
+    python -m bench.engine [--quick] [--skip-startup]
 """
 import argparse
-import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-import workloads  # noqa: E402
+from bench import servers, workloads
+from bench.common import RESULTS, rate_after_first, stamp, write_results
+from tornchat import checkpoint, prompt
+from tornchat.build import build_engine
+from tornchat.config import Config
+from tornchat.engine import GenerationRequest, SamplingParams
+from tornchat.engine.cpu import describe
+from tornchat.engine.slots import SlotPool
 
-from tornchat import checkpoint, prompt  # noqa: E402
-from tornchat.config import Config  # noqa: E402
-from tornchat.engine import GenerationRequest, SamplingParams  # noqa: E402
-from tornchat.engine.build import build_engine  # noqa: E402
-from tornchat.engine.cpu import describe  # noqa: E402
-from tornchat.engine.slots import SlotPool  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=7)  # what chat front ends send
 FOLLOW_UP = "Thanks. Can you sum that up in one sentence?"
@@ -50,7 +43,7 @@ def timed_generation(engine, ids, max_tokens, sampling=GREEDY):
         last = event
     end = time.perf_counter()
     tokens = last.usage.completion_tokens
-    return first - start, (tokens - 1) / (end - first), "".join(text)
+    return first - start, rate_after_first(tokens, first, end), "".join(text)
 
 
 def generate_rate(model, ids, max_tokens):
@@ -131,30 +124,9 @@ def ttft_without_reuse(engine, ids) -> float:
         engine.slots = kept
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def startup_seconds(cache_dir: str) -> float:
-    port = free_port()
-    env = dict(os.environ, TORNCHAT_CACHE=cache_dir)
-    start = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "tornchat", "serve", "--port", str(port), "--threads", "2"],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError("tornchat serve exited during start-up")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                return time.perf_counter() - start
-            except OSError:
-                time.sleep(0.1)
-    finally:
-        server.terminate()
-        server.wait(30)
+    with servers.running("--threads", "2", env={"TORNCHAT_CACHE": cache_dir}) as server:
+        return server.ready_s
 
 
 def main() -> None:
@@ -183,9 +155,7 @@ def main() -> None:
         result["startup"] = {"first_s": first, "measuring_s": measuring, "later_s": later}
         print(f"start-up: first {first:.1f} s (converts the GGUF's tokenizer, times the decode formats), {measuring:.1f} s "
               f"timing the decode formats only, later starts {later:.1f} s (decision cached)", flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(result, indent=2))
+    out = write_results(RESULTS / f"engine-{stamp()}.json", result)
     print(f"wrote {out}")
 
 

@@ -13,15 +13,17 @@ time to the first token of a 2,000-token prompt (prefill in the engine's
 ``generate`` with a static cache and ``torch.compile(mode="reduce-overhead")``;
 and our step compiled the same way against the hand-captured graph.
 
-    python bench/gpu.py [--shapes 135m 1b 8b] [--steps 128] [--no-hf] [--no-compile]
+    python -m bench.gpu [--shapes 135m 1b 8b] [--steps 128] [--no-hf] [--no-compile]
 """
 import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
+from bench.common import greedy_steps_rate, write_results
 from tornchat.engine import cuda_graph, llama
 from tornchat.engine.model import PREFILL_CHUNK
 
@@ -77,13 +79,8 @@ def decode_rate(runner, steps: int) -> tuple[float, int]:
     """Greedy tokens/s after a short prompt, and the KV positions attention read per token (on average)."""
     cache = runner.new_cache()
     logits = runner.forward(list(range(100, 100 + SHORT_PROMPT)), cache)
-    token = int(logits.argmax())
-    for _ in range(8):  # warm: captures, allocator
-        token = int(runner.forward([token], cache, decode=True).argmax())
-    started = time.perf_counter()
-    for _ in range(steps):
-        token = int(runner.forward([token], cache, decode=True).argmax())
-    rate = steps / (time.perf_counter() - started)
+    _, token = greedy_steps_rate(runner, cache, int(logits.argmax()), 8)  # warm: captures, allocator
+    rate, _ = greedy_steps_rate(runner, cache, token, steps)
     # The graph attends over the cache's capacity (masked); the eager step over the filled length.
     read = cache.kv.shape[2] if runner.graphs is not None else cache.length - steps // 2
     return rate, read
@@ -246,8 +243,7 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     if args.json:
-        with open(args.json, "w") as out:
-            json.dump({"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "rows": rows}, out, indent=1)
+        write_results(Path(args.json), {"device": torch.cuda.get_device_name(), "bandwidth": bandwidth, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -8,32 +8,24 @@ and the p50 / p99 gap between tokens as the caller sees them. The two sides
 never run at the same time; ratios, not absolute figures, are the result on
 a shared machine.
 
-    python bench/http_overhead.py [--tokens 200] [--rounds 3]
+    python -m bench.http_overhead [--tokens 200] [--rounds 3]
 """
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import servers  # noqa: E402  (the test helper that starts the real server)
-
-from tornchat import functions, prompt  # noqa: E402
-from tornchat.config import Config  # noqa: E402
-from tornchat.engine.build import build_engine  # noqa: E402
-from tornchat.engine.cpu import describe  # noqa: E402
-from tornchat.engine.types import GenerationRequest, SamplingParams  # noqa: E402
+from bench import servers
+from bench.common import percentile
+from tornchat import functions, prompt
+from tornchat.build import build_engine
+from tornchat.config import Config
+from tornchat.engine.cpu import describe
+from tornchat.engine.types import GenerationRequest, SamplingParams
 
 MESSAGES = [{"role": "user", "content": "Write a long, detailed story about a dragon who learns to bake bread."}]
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def summarize(start: float, arrivals: list[float], tokens: int) -> dict:

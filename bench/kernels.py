@@ -18,7 +18,7 @@ the triton column is null (the interpreter's speed says nothing about a GPU)
 and the CPU paths are timed with a wall clock. Writes JSON and a PNG to
 bench/results/.
 
-    python bench/kernels.py [--quick]
+    python -m bench.kernels [--quick]
 """
 import argparse
 import json
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
+from bench.common import RESULTS, write_results
 from tornchat.engine.cpu import describe
 from tornchat.kernels.sampling import sample_reference
 
 BATCHES = (1, 8, 64)
 VOCABS = (32_000, 49_152, 152_064, 262_144)
-RESULTS = Path(__file__).parent / "results"
 
 
 def multinomial(logits, temperature, top_k, top_p, seed, step):
@@ -94,7 +94,6 @@ def main() -> None:
                 row[name] = do_bench(call) if cuda else wall_ms(call, 3 if args.quick else 10)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    RESULTS.mkdir(exist_ok=True)
     meta = {
         "device": torch.cuda.get_device_name() if cuda else describe(),
         "torch": torch.__version__,
@@ -102,7 +101,7 @@ def main() -> None:
         "note": None if cuda else "no GPU: the triton column needs CUDA",
     }
     stem = RESULTS / f"kernels-{'cuda' if cuda else 'cpu'}{'-quick' if args.quick else ''}"
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    write_results(stem.with_suffix(".json"), {"meta": meta, "rows": rows})
     plot(rows, meta, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and .png")
 

@@ -17,9 +17,9 @@ as bench/e2e.py's llama-server: `cmake --build build --target
 llama-quantize`), else llama-cpp-python's. Without either the F16 file is
 what it writes.
 
-    python bench/make_gguf.py 1b --out /work/models
-    python bench/make_gguf.py 3b --out /work/models --keep-f16
-    python bench/make_gguf.py 135m --layers 4 --name tiny --out /tmp
+    python -m bench.make_gguf 1b --out /work/models
+    python -m bench.make_gguf 3b --out /work/models --keep-f16
+    python -m bench.make_gguf 135m --layers 4 --name tiny --out /tmp
 
 Prints the path of each file it wrote. Presets: 135m (the embedded model's
 shape), 1b (Llama-3.2-1B-like), 3b (Llama-3.2-3B-like), qwen3-0.6b and

@@ -8,7 +8,7 @@ whether each concurrent reply's text equals the same request sent alone.
 Each server runs with as many slots as the largest count (--parallel /
 -np), so a count below it is measured on the same server.
 
-    python bench/parallel.py [--checkpoint-path FILE.gguf] [--tokens 128] [--threads 2]
+    python -m bench.parallel [--checkpoint-path FILE.gguf] [--tokens 128] [--threads 2]
 
 Prints a markdown table; the CPU it ran on comes first.
 """
@@ -20,11 +20,9 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import agents_apis  # noqa: E402  (sibling module: its SSE record reader)
-import e2e  # noqa: E402  (sibling module: its Server, systems and machine description)
-
-from tornchat import checkpoint  # noqa: E402
+from bench import agents_apis, e2e, servers
+from bench.common import free_port
+from tornchat import checkpoint
 
 PROMPTS = [
     "Write a long story about a dragon who learns to bake bread.",
@@ -73,9 +71,9 @@ def concurrent(port: int, model: str, count: int, tokens: int) -> list[dict]:
 
 
 def measure(system: e2e.System, port: int, threads: int, tokens: int) -> dict:
-    server = e2e.Server(system, port, threads)
+    server = e2e.launch(system, port, threads)
     try:
-        server.wait_ready()
+        servers.wait_ready(server, e2e.STARTUP_TIMEOUT_S)
         solo = [stream(port, system.model, text, tokens) for text in PROMPTS]  # also warms the server up
         rows = {}
         for count in COUNTS:
@@ -88,7 +86,7 @@ def measure(system: e2e.System, port: int, threads: int, tokens: int) -> dict:
             }
         return rows
     finally:
-        server.stop()
+        servers.stop(server)
 
 
 def main() -> int:
@@ -100,7 +98,7 @@ def main() -> int:
     args = parser.parse_args()
     model = args.checkpoint_path or checkpoint.default_gguf_path()
     slots = max(COUNTS)
-    port = e2e.free_port()
+    port = free_port()
     tornchat = e2e.tornchat_systems(args.threads, port, model)[0]
     tornchat.command += ["--parallel", str(slots)]
     llama = e2e.llamacpp_system(args.threads, port, model, e2e.find_llama_server(args.llama_server))

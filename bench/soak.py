@@ -8,8 +8,8 @@ requests are refused with 503. Nothing may fail otherwise, every request the
 server accepted must end as exactly one completed or cancelled generation,
 and the resident memory of the server process must stop growing once warm.
 
-    python bench/soak.py                             # 3000 requests, 4 clients, the embedded model
-    python bench/soak.py --requests 10000 --clients 8 --checkpoint-path DIR
+    python -m bench.soak                             # 3000 requests, 4 clients, the embedded model
+    python -m bench.soak --requests 10000 --clients 8 --checkpoint-path DIR
 
 tests/test_reliability_soak.py runs the same soak() for a few hundred requests.
 """
@@ -22,12 +22,10 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import servers  # noqa: E402  (the test helper that starts the real server)
+from bench import servers
 
 TOPICS = ["rivers", "bread", "stars", "chess", "tea", "bridges", "owls", "glass", "maps", "bees", "clocks", "salt"]
 KINDS = ("stream", "plain", "abandon")

@@ -1,8 +1,8 @@
-"""Prompt-lookup speculative decoding, measured against itself off and against llama.cpp's (issue 14).
+"""Prompt-lookup speculative decoding, measured against itself off and against llama.cpp's.
 
 Each system runs as a real server on loopback, one at a time, with the same
 thread count, driven through the openai SDK with streaming (bench/e2e.py's
-Server and stream_once): tornchat with `--speculate none`, `lookup` and
+launch and stream_once): tornchat with `--speculate none`, `lookup` and
 `auto`, and llama.cpp's own C++ server, llama-server (the baseline, as in
 bench/e2e.py: same file, `-t N -tb N`, `--jinja`, `-c 4096`), plain and with
 its prompt lookup (`--spec-type ngram-simple --spec-ngram-simple-size-n 2
@@ -39,10 +39,10 @@ forward. The exactness check: tornchat's text with speculation on (and with
 a prediction) must equal its text with speculation off, greedy and seeded;
 the script exits 1 when one differs.
 
-    python bench/speculate.py                          # every system, embedded model
-    python bench/speculate.py --checkpoint-path /work/models/random-llama-1b-Q4_K_M.gguf
-    python bench/speculate.py --quick --systems tornchat-none,tornchat-lookup
-    python bench/speculate.py --quick --systems llamacpp,llamacpp-lookup --llama-server /path/to/llama-server
+    python -m bench.speculate                          # every system, embedded model
+    python -m bench.speculate --checkpoint-path /work/models/random-llama-1b-Q4_K_M.gguf
+    python -m bench.speculate --quick --systems tornchat-none,tornchat-lookup
+    python -m bench.speculate --quick --systems llamacpp,llamacpp-lookup --llama-server /path/to/llama-server
 
 Writes bench/results/speculate-<timestamp>.json (every measurement and text)
 and, for the latest run, speculate.md (the tables for the README); server
@@ -60,16 +60,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import workloads  # noqa: E402  (sibling module; bench/ is not a package)
-from e2e import (RESULTS, Server, System, find_llama_server, fmt, free_port, llama_server_problem,  # noqa: E402
-                 llamacpp_system, machine, stream_once)
-
-from tornchat import checkpoint  # noqa: E402
-from tornchat.weights import gguf_file  # noqa: E402
+from bench import servers, workloads
+from bench.common import RESULTS, free_port, stamp, write_results
+from bench.e2e import (STARTUP_TIMEOUT_S, System, chosen_systems, find_llama_server, fmt, launch, llama_server_problem,
+                       llamacpp_system, machine, stream_once)
+from tornchat import checkpoint
+from tornchat.weights import gguf_file
 
 # Request fields per sampling mode. The seeded mode is where exactness is hardest: the sampler's draws must
 # not depend on how many tokens a verify step covered.
@@ -86,7 +84,7 @@ RATIOS = [
     ("tornchat-none", "llamacpp"),
     ("tornchat-lookup", "llamacpp-lookup"),
 ]
-# Issue 14's targets for tornchat-lookup / tornchat-none, greedy.
+# The decode-rate ratios tornchat-lookup / tornchat-none, greedy, that make speculation worth its keep.
 TARGETS = {"code edit": 1.5, "free chat": 0.95}
 
 
@@ -196,9 +194,9 @@ def summarize(runs: list[dict]) -> dict:
 def measure(contender: Contender, port: int, threads: int, cases: list[workloads.SpeculationWorkload],
             max_tokens: int, repeats: int, tokenizer, replies: dict) -> dict:
     """``replies``: tornchat-none's cells where it ran first, for the cases that predict its reply."""
-    server = Server(contender.system, port, threads)
+    server = launch(contender.system, port, threads)
     try:
-        ready_s = server.wait_ready()  # raises with the log's tail when the server does not start
+        ready_s = servers.wait_ready(server, STARTUP_TIMEOUT_S)  # raises with the log's tail when it does not start
         print(f"  ready after {ready_s:.1f} s", flush=True)
         try:
             cells = run_cases(contender, port, cases, max_tokens, repeats, tokenizer, replies)
@@ -209,7 +207,7 @@ def measure(contender: Contender, port: int, threads: int, cases: list[workloads
             raise RuntimeError(f"the server exited with status {server.process.returncode} mid-run ({exc}); "
                                f"log: {server.log_path}") from exc
     finally:
-        server.stop()
+        servers.stop(server)
     # Other work on a shared machine slows every figure; the load average says how much there was.
     return {"ready_s": ready_s, "cells": cells, "load_average_after": os.getloadavg()[0]}
 
@@ -300,7 +298,7 @@ def llamacpp_agreement(report: dict) -> dict[str, bool]:
 def markdown(report: dict) -> str:
     m, s = report["machine"], report["settings"]
     ran = {name: entry["result"] for name, entry in report["systems"].items() if "result" in entry}
-    command = "python bench/speculate.py" + "".join(f" {arg}" for arg in s["argv"])
+    command = "python -m bench.speculate" + "".join(f" {arg}" for arg in s["argv"])
     lines = [
         "# Speculative decoding (prompt lookup)",
         "",
@@ -345,7 +343,7 @@ def markdown(report: dict) -> str:
             if lookup and none:
                 ratio = lookup / none
                 verdicts.append(f"{workload} {ratio:.2f}x (target {target}x: {'met' if ratio >= target else 'not met'})")
-        lines += ["", "Issue 14's targets, tornchat lookup / none, greedy: " + "; ".join(verdicts) + "."]
+        lines += ["", "Targets, tornchat lookup / none, greedy: " + "; ".join(verdicts) + "."]
 
     lines += ["", "Per request (medians; drafted tokens summed over the sends):", "",
               "| system | workload | mode | TTFT (ms) | completion tokens | decode tok/s | accepted / drafted "
@@ -412,15 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (1 if args.quick else 3)
     # Turn kill into an exception, so the finally blocks stop the server being measured.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    wanted = [name.strip() for name in args.systems.split(",") if name.strip()]
-    unknown = [name for name in wanted if name not in CONTENDERS]
-    if unknown:
-        p.error(f"unknown systems {', '.join(unknown)}; choose from {', '.join(CONTENDERS)}")
+    wanted = chosen_systems(p, args.systems, CONTENDERS)
     llama_server = find_llama_server(args.llama_server)
     if any(name.startswith("llamacpp") for name in wanted) and (problem := llama_server_problem(llama_server)):
         p.error(f"the llama.cpp baseline: {problem}\nor leave llamacpp and llamacpp-lookup out of --systems.")
 
-    tokenizer = checkpoint.gguf_tokenizer(gguf_file.GGUFFile(model))
+    tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(model))
     cases = workloads.speculation_workloads()
     if args.workloads:
         names = [name.strip() for name in args.workloads.split(",")]
@@ -428,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             p.error(f"unknown workloads {', '.join(unknown)}; choose from {', '.join(case.name for case in cases)}")
         cases = [case for case in cases if case.name in names]
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    started = stamp()
     report = {
         "started": datetime.now().isoformat(timespec="seconds"),
         "machine": machine(args.threads, llama_server),
@@ -459,9 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     report["exactness"] = exactness(report, cases)
     report["llamacpp_agreement"] = llamacpp_agreement(report)
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    data = RESULTS / f"speculate-{stamp}.json"
-    data.write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    data = write_results(RESULTS / f"speculate-{started}.json", report)
     table = RESULTS / "speculate.md"
     table.write_text(markdown(report))
     print(f"wrote {data}, {table}", flush=True)

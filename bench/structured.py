@@ -21,13 +21,12 @@ tokens/s through the server with a JSON schema active against none, in turns
 (same prompt, temperature 1.0, streamed; tokens after the first over the
 time they took).
 
-    python bench/structured.py [--seeds 3] [--out bench/results/structured.json]
-    python bench/structured.py --speed-only [--rounds 5]
+    python -m bench.structured [--seeds 3] [--out bench/results/structured.json]
+    python -m bench.structured --speed-only [--rounds 5]
 """
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -35,12 +34,12 @@ import jsonschema
 import openai
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import servers  # noqa: E402  (the test helper that starts the real server)
+from bench import servers
+from bench.common import rate_after_first, write_results
 
-from tornchat import checkpoint  # noqa: E402
-from tornchat.engine.cpu import describe  # noqa: E402
-from tornchat.engine.grammar import Compiler, json_value  # noqa: E402
+from tornchat import checkpoint
+from tornchat.engine.cpu import describe
+from tornchat.engine.grammar import Compiler, json_value
 
 FUNCTIONS = [
     {
@@ -209,7 +208,7 @@ SPEED_SCHEMA = {"type": "object", "properties": {"notes": {"type": "array", "ite
                 "required": ["notes"]}
 
 
-def decode_rate(client, **extra) -> float:
+def reply_rate(client, **extra) -> float:
     """Tokens/s of one streamed reply after its first token."""
     first = usage = None
     stream = client.chat.completions.create(
@@ -219,7 +218,7 @@ def decode_rate(client, **extra) -> float:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
             first = time.perf_counter()
         usage = chunk.usage or usage
-    return (usage.completion_tokens - 1) / (time.perf_counter() - first)
+    return rate_after_first(usage.completion_tokens, first, time.perf_counter())
 
 
 def schema_speed(client, rounds: int) -> dict:
@@ -227,8 +226,8 @@ def schema_speed(client, rounds: int) -> dict:
     constrained = {"response_format": {"type": "json_schema", "json_schema": {"name": "notes", "schema": SPEED_SCHEMA}}}
     plain, schema = [], []
     for _ in range(rounds):
-        plain.append(decode_rate(client))
-        schema.append(decode_rate(client, **constrained))
+        plain.append(reply_rate(client))
+        schema.append(reply_rate(client, **constrained))
     result = {"rounds": rounds, "plain_tok_s": round(statistics.median(plain), 1),
               "schema_tok_s": round(statistics.median(schema), 1)}
     result["ratio"] = round(result["schema_tok_s"] / result["plain_tok_s"], 3)
@@ -315,8 +314,7 @@ def main() -> None:
     print(cost)
     result = {"cpu": describe(), "calls": calls, "formats": formats, "mask": cost, "call_texts": call_texts,
               "format_texts": format_texts, "speed": None if args.mask_only else speed}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_results(Path(args.out), result)
     print_tables(result)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tokenizers import AddedToken
 
-import servers
+from bench import servers
 from tornchat import checkpoint, prompt
 from tornchat.engine.grammar import Compiler
 from tornchat.engine.model import HFRunner

@@ -4,17 +4,14 @@ Quantized tensors are random blocks (random levels, scales of a sensible
 size): every bit of the block layout is exercised, and the gguf package's
 own dequantizer says what values they hold.
 """
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from bench.make_gguf import tokenizer_fields  # the embedded model's tokenizer and chat template
 from tornchat.checkpoint import default_gguf_path
 from tornchat.engine import ggml
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from make_gguf import tokenizer_fields  # noqa: E402  the embedded model's tokenizer and chat template
 
 # Offsets of each type's fp16 scale fields in a block (random bytes there could be inf or NaN), and the
 # largest level times sub-block scale a value can reach: the fp16 scales are drawn to keep weights about 0.1.

@@ -31,7 +31,7 @@ from pathlib import Path
 import openai
 import pytest
 
-import servers
+from bench import servers
 from tornchat import config
 
 CODEX = "@openai/codex@0.169.0"

@@ -6,7 +6,7 @@ import sys
 
 import openai
 
-import servers
+from bench import servers
 from tornchat import checkpoint, config, prompt
 
 

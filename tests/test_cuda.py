@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gguf_files
-import servers
+from bench import servers
 from tornchat import prompt
 from tornchat.engine import GenerationRequest, SamplingParams, cuda_graph, llama, quant
 from tornchat.engine.slots import SlotPool

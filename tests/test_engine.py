@@ -274,7 +274,7 @@ def test_the_model_is_built_on_the_thread_that_serves_it(tiny_checkpoint, monkey
     """One thread does all model work: with OpenMP, a second thread running torch ops brings a second
     team of threads, and on 2 cores that cost 40% of decode speed."""
     from tornchat.config import Config
-    from tornchat.engine import build
+    from tornchat import build
 
     built_on, served_on = [], []
     make_runner, run_forever = build.make_runner, build.Engine.run_forever

@@ -100,15 +100,15 @@ def test_a_kind_we_do_not_build_is_left_to_transformers(tmp_path, kind, pre):
 def test_the_fallback_is_transformers_conversion_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("TORNCHAT_CACHE", str(tmp_path / "cache"))
     path = gguf_files.write_tokenizer(tmp_path / "m.gguf", pre="tekken")
-    first = checkpoint.gguf_tokenizer(gguf_file.GGUFFile(path))
+    first = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(path))
     theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     assert json.loads(first.backend_tokenizer.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
     assert list((tmp_path / "cache").glob("*-tokenizer/tokenizer_config.json"))  # saved for later starts
-    again = checkpoint.gguf_tokenizer(gguf_file.GGUFFile(path))
+    again = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(path))
     assert [again.encode(text) for text in TEXTS] == [theirs.encode(text) for text in TEXTS]
 
 
 def test_a_tokenizer_we_build_is_not_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("TORNCHAT_CACHE", str(tmp_path))
-    checkpoint.gguf_tokenizer(gguf_file.GGUFFile(checkpoint.default_gguf_path()))
+    checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(checkpoint.default_gguf_path()))
     assert not list(tmp_path.iterdir())

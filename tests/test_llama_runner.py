@@ -11,7 +11,7 @@ import torch
 from tornchat import checkpoint, prompt
 from tornchat.config import Config
 from tornchat.engine import blocks, llama, quant
-from tornchat.engine.build import make_runner
+from tornchat.build import make_runner
 from tornchat.engine.model import HFRunner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.types import GenerationRequest, SamplingParams

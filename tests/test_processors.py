@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import servers
+from bench import servers
 from tornchat import prompt
 from tornchat.engine import GenerationRequest, SamplingParams, logprobs, processors
 from tornchat.engine.model import HFRunner

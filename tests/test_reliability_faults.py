@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-import servers
+from bench import servers
 
 ASK = {"model": "m", "messages": [{"role": "user", "content": "Count to twenty."}], "temperature": 0}
 

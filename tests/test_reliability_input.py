@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
 
-import servers
+from bench import servers
 from tornchat.server.app import ROUTES
 
 MAX_BODY, MAX_MESSAGES = 65536, 8

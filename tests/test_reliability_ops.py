@@ -11,7 +11,7 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import servers
+from bench import servers
 
 KEY = "sk-ops-7f3a9c"
 USER, PASSWORD = "ops", "pa55-word-4b1e"

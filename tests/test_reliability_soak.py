@@ -1,19 +1,13 @@
-"""Load: a short soak of the real server process (bench/soak.py runs the long one).
+"""Load: a short soak of the real server process (``python -m bench.soak`` runs the long one).
 
 Streamed, non-streamed and abandoned requests from four client threads,
 against a queue of one so that some meet a full queue; on the tiny model,
 whose decode steps cost little, so the HTTP layer and the engine's
 bookkeeping are what is under load.
 """
-import sys
-from pathlib import Path
-
 import pytest
 
-import servers
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import soak  # noqa: E402  (bench/soak.py: the same soak, longer)
+from bench import servers, soak
 
 KV_SLOTS, KV_MEMORY_MB = 3, 64
 

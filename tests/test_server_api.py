@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-import servers
+from bench import servers
 from tornchat import MODEL_ID
 
 MAX_BODY = 65536

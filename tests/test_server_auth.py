@@ -4,7 +4,7 @@ import base64
 import openai
 import pytest
 
-import servers
+from bench import servers
 from tornchat import MODEL_ID
 
 KEY = "sk-test-key"

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-import servers
+from bench import servers
 
 SEED = 4321
 SAMPLED = {"model": "m", "temperature": 1.0, "max_tokens": 8, "seed": SEED}

@@ -14,7 +14,7 @@ import pytest
 from tornado.httpserver import HTTPServer
 from tornado.ioloop import IOLoop
 
-import servers
+from bench import servers
 from tornchat.config import Config
 from tornchat.engine.types import Event, QueueFull, Usage
 from tornchat.engine.worker import EngineStats

@@ -13,7 +13,7 @@ import re
 import anthropic
 import pytest
 
-import servers
+from bench import servers
 from tornchat import MODEL_ID
 
 GREEDY_BODY = {"temperature": 0}

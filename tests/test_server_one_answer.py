@@ -13,7 +13,7 @@ import threading
 import openai
 import pytest
 
-import servers
+from bench import servers
 
 PROMPTS = [
     "Give me a short tip for learning to cook.",

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-import servers
+from bench import servers
 from fixtures import chat_templates
 
 SERVER_BUDGET, BUDGET = 8, 4

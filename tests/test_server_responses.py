@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-import servers
+from bench import servers
 from tornchat import MODEL_ID
 
 STORE = 3  # --responses-store: small, so that the test of its bound is cheap

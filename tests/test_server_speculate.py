@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-import servers
+from bench import servers
 
 FUNCTION = '''def parse_line(line, sep=","):
     fields = [field.strip() for field in line.split(sep)]

@@ -6,7 +6,7 @@ Official openai SDK where a client would use it, raw HTTP for the 400s.
 import openai
 import pytest
 
-import servers
+from bench import servers
 from tornchat.kernels.stopcheck import spellings
 
 COLORS = [{"role": "user", "content": "Name three colors."}]

@@ -11,7 +11,7 @@ import jsonschema
 import pydantic
 import pytest
 
-import servers
+from bench import servers
 
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
 FORECAST = {

@@ -4,7 +4,7 @@ import json
 import pytest
 
 import browser
-import servers
+from bench import servers
 from tornchat import config as config_module
 
 KEY = "sk-page-key"

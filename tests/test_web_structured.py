@@ -1,9 +1,8 @@
 """The chat page's structured-output pieces: the response_format schema box and the token-probability view.
 
-They use the request fields of the structured-outputs issue (response_format
+They use the structured-output request fields (docs/api.md: response_format
 json_schema; logprobs / top_logprobs answered in choices[].logprobs.content[]
-with token, logprob, bytes, top_logprobs). A server without them ignores the
-fields, and these tests fail until it has them.
+with token, logprob, bytes, top_logprobs).
 """
 import json
 
@@ -11,7 +10,7 @@ import jsonschema
 import pytest
 
 import browser
-import servers
+from bench import servers
 
 SCHEMA = {
     "type": "object",

@@ -121,15 +121,15 @@ def first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def gguf_tokenizer(file):
-    """The tokenizer of a GGUF (its header read: ``gguf_file.GGUFFile``): built from its metadata in about
-    0.3 s, or for a kind of tokenizer ``gguf_tokenizer`` does not build, through transformers' conversion
-    (seconds), saved once beside the converted models."""
+def tokenizer_from_gguf(file):
+    """The tokenizer of a GGUF (its header read: ``gguf_file.GGUFFile``): built from its metadata, or for a
+    kind of tokenizer ``gguf_tokenizer`` does not build, through transformers' slower conversion, saved once
+    beside the converted models."""
     from transformers import AutoTokenizer
 
-    from tornchat.weights import gguf_tokenizer as built
+    from tornchat.weights import gguf_tokenizer
 
-    tokenizer = built.build(file)
+    tokenizer = gguf_tokenizer.build(file)
     if tokenizer is not None:
         return tokenizer
     gguf = file.path
@@ -164,7 +164,7 @@ def load_gguf(file, device: str, dtype: torch.dtype, in_blocks: bool) -> Loaded:
         raise CheckpointError(f"cannot load GGUF file {gguf}: {first_line(exc)}") from None
     if not on_cpu:
         weights = gguf_file.to_device(weights, device)
-    tokenizer = gguf_tokenizer(file)
+    tokenizer = tokenizer_from_gguf(file)
     log.info("loaded %s in %.1f s", gguf.name, time.perf_counter() - started)
     return Loaded(tokenizer=tokenizer, source=str(gguf), lean=(config, weights), packed=on_cpu and in_blocks)
 

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tornchat: bad configuration: {exc}", file=sys.stderr)
         return 2
     logs.configure(config.log_level, config.log_format)
-    from tornchat.engine.build import build_engine
+    from tornchat.build import build_engine
     from tornchat.server.app import serve
 
     try:

@@ -24,7 +24,7 @@ SWITCH = "enable_thinking"  # the template variable Qwen3's templates read
 
 
 @dataclass(frozen=True)
-class Request:
+class Asked:
     """What a request says about thinking, from whichever API carried it."""
 
     enabled: bool | None = None  # None: the server's default

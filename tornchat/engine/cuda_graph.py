@@ -63,7 +63,7 @@ class GraphedSteps:
     workspaces by stream, hands every graph captured on a stream that
     stream's workspace, and frees it when any one of those graphs is
     destroyed (pytorch/pytorch#193402): the others then write into memory
-    that is no longer theirs. Seen on an H100: a runner's graphs destroyed
+    that is no longer theirs: a runner's graphs destroyed
     while another runner decoded on the shared default capture stream
     turned its output to noise. So graphs are dropped all together, when
     one of their caches is gone, and the live ones are captured again on

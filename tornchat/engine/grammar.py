@@ -52,7 +52,7 @@ def literal(text: str, special: dict[str, int] | None = None) -> str:
 
 
 class Compiler:
-    """Grammars for one tokenizer. llguidance's view of the vocabulary takes about 0.5 s to build, so once."""
+    """Grammars for one tokenizer. llguidance's view of the vocabulary is slow to build, so it is built once."""
 
     def __init__(self, tokenizer):
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer)

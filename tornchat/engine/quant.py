@@ -22,8 +22,8 @@ from tornchat.engine import blocks
 from tornchat.engine import ggml
 
 # What --quantize packs float weights into on the CPU: GGML types blocks.cpp multiplies. The output
-# projection stays at 8 bits under int4, as llama.cpp's 4-bit files keep it at 6 or 8: at 4 bits it cost
-# SmolLM2-135M 8% perplexity.
+# projection stays at 8 bits under int4, as llama.cpp's 4-bit files keep it at 6 or 8: it is where 4 bits
+# cost the most perplexity (docs/performance.md, "Figures behind the code's choices").
 BLOCK_TYPES = {"none": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
 HEAD_TYPES = BLOCK_TYPES | {"int4": "Q8_0"}
 
@@ -103,8 +103,8 @@ class CudaInt4Weight:
 
 
 CUDA_GROUPS = (32, 64, 128, 256)  # the group sizes tinygemm takes
-# What --quantize int4 packs plain weights into on CUDA: an 8B step was 1.11x faster than with group 32
-# (bench/gpu.py, H100); the quality gate of auto still applies.
+# What --quantize int4 packs plain weights into on CUDA: larger groups read fewer scales per step, and 128
+# decoded fastest (docs/performance.md); the quality gate of auto still applies.
 CUDA_GROUP = 128
 
 

@@ -144,9 +144,9 @@ class Engine:
         """A worker thread that calls build() (loading the model, ``on_this_thread=True``), then serves.
 
         With OpenMP, every thread that runs torch ops gets a team of its own;
-        two teams on few cores throttle each other's barriers, and decode on
-        2 cores fell from 35 to 21 tokens/s when the model was loaded on the
-        main thread and run on this one. build's exceptions are raised here.
+        two teams on few cores throttle each other's barriers, so the model
+        is loaded on the thread that runs it (docs/performance.md has what
+        the second team cost). build's exceptions are raised here.
         """
         built: Future[Engine] = Future()
 

@@ -78,14 +78,14 @@ def parse(data: dict, max_messages: int, vocab_size: int, counting: bool = False
     )
 
 
-def _thinking(value) -> reasoning.Request:
+def _thinking(value) -> reasoning.Asked:
     """``thinking``: {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or {"type": "disabled"}."""
     if value is None:
-        return reasoning.Request()
+        return reasoning.Asked()
     if not isinstance(value, dict) or value.get("type") not in THINKING:
         raise invalid('thinking must be {"type": "enabled", "budget_tokens": N}, {"type": "adaptive"} or {"type": "disabled"}')
     budget = validate._integer(value, "budget_tokens", 0) if value["type"] == "enabled" else None
-    return reasoning.Request(value["type"] != "disabled", budget)
+    return reasoning.Asked(value["type"] != "disabled", budget)
 
 
 def _system(value) -> str:

@@ -94,7 +94,7 @@ def parse(data: dict, max_messages: int, vocab_size: int, store: Store) -> tuple
         call_style="tools" if functions else None,
         choice=choice,
         response_format=_format(text.get("format")),
-        thinking=reasoning.Request(validate.effort_enables(effort, "reasoning.effort"), validate._integer(data, "reasoning_budget", 0)),
+        thinking=reasoning.Asked(validate.effort_enables(effort, "reasoning.effort"), validate._integer(data, "reasoning_budget", 0)),
     )
     echo = {
         "instructions": instructions,

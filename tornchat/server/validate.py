@@ -52,7 +52,7 @@ class ChatRequest(Request):
     call_style: str | None = None  # "functions" (legacy) or "tools": the shape of a call in the reply
     choice: Choice = field(default_factory=Choice)
     response_format: Format = field(default_factory=Format)
-    thinking: reasoning.Request = field(default_factory=reasoning.Request)
+    thinking: reasoning.Asked = field(default_factory=reasoning.Asked)
     template_kwargs: dict = field(default_factory=dict)  # chat_template_kwargs, enable_thinking aside (reasoning has it)
 
 
@@ -162,7 +162,7 @@ def _option(data: dict, option: processors.Field, vocab_size: int):
     return _logit_bias(data, option, vocab_size)
 
 
-def _reasoning(data: dict) -> tuple[reasoning.Request, dict]:
+def _reasoning(data: dict) -> tuple[reasoning.Asked, dict]:
     """reasoning_effort, reasoning_budget and chat_template_kwargs (whose enable_thinking is the same switch)."""
     kwargs = _object(data, "chat_template_kwargs")
     for key in kwargs:
@@ -174,7 +174,7 @@ def _reasoning(data: dict) -> tuple[reasoning.Request, dict]:
         raise invalid(f"reasoning_effort and chat_template_kwargs.{reasoning.SWITCH} disagree: give one of them")
     budget = _integer(data, "reasoning_budget", 0)
     rest = {key: value for key, value in kwargs.items() if key != reasoning.SWITCH}
-    return reasoning.Request(switch if switch is not None else enabled, budget), rest
+    return reasoning.Asked(switch if switch is not None else enabled, budget), rest
 
 
 def effort_enables(value, name: str) -> bool | None:

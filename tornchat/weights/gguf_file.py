@@ -53,9 +53,8 @@ STRING, ARRAY = 8, 9
 class GGUFFile:
     """The header of a GGUF file (format version 2 or 3), read with struct from a memory map: scalar and
     string metadata, tensor names, types, shapes and offsets. Arrays (the tokenizer's vocabulary) are
-    skipped, their places remembered, and read by ``array`` only when asked for. gguf's own GGUFReader builds
-    every field as numpy views, which took 9.5 s on the embedded model's 98,000 tokenizer strings; this
-    takes milliseconds."""
+    skipped, their places remembered, and read by ``array`` only when asked for: gguf's own GGUFReader builds
+    every field as numpy views, which is slow on a vocabulary's strings (docs/performance.md)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -133,8 +132,7 @@ class GGUFFile:
 
     def array(self, key: str):
         """An array field read now: strings as a list of str, numbers as a numpy array; None where the file
-        has no such array. A plain loop over the mapped bytes reads the embedded model's 98,000 tokenizer
-        strings in about 30 ms."""
+        has no such array."""
         at = self.arrays.get(key)
         if at is None:
             return None

@@ -1,8 +1,8 @@
 """A GGUF's tokenizer built straight from its metadata with the tokenizers library.
 
 transformers' GGUF conversion (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``) reads the whole
-file through the gguf package and a model config first: 3.5-4 s for the embedded model, most of a
-first start. This builds the same tokenizer from the arrays ``gguf_file.GGUFFile.array`` reads in
+file through the gguf package and a model config first, most of a first start (docs/performance.md).
+This builds the same tokenizer from the arrays ``gguf_file.GGUFFile.array`` reads in
 milliseconds: the same BPE model, pre-tokenizer, decoder, added tokens and wrapper settings, so its
 ids, its decoding and its special tokens are transformers' (tests/test_gguf_tokenizer.py holds the
 two equal, down to the serialized tokenizer). ``build`` answers None for a tokenizer it does not

@@ -1,6 +1,8 @@
-"""Start the real server process (``python -m tornchat serve``) on a free loopback port.
+"""Server processes on loopback, started, waited for and stopped, and raw HTTP to them.
 
-Used by the server tests and benchmarks::
+The one harness of the server tests and the benchmarks: ``running`` starts the
+real server (``python -m tornchat serve``) on a free port; ``launch`` starts
+any server command (the benchmarks' other systems)::
 
     with servers.running("--api-key", "k") as server:
         client = openai.OpenAI(base_url=server.api_url, api_key="k")
@@ -10,12 +12,10 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,12 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from bench.common import free_port
+
 
 @dataclass
 class Server:
     port: int
     process: subprocess.Popen
     log_path: Path
+    ready_path: str  # answers 200 once the server takes requests
+    started: float  # time.perf_counter() at launch
+    ready_s: float | None = None  # seconds from launch until it took requests, once wait_ready saw it
 
     @property
     def url(self) -> str:
@@ -45,6 +50,10 @@ class Server:
     def log(self) -> str:
         """Everything the server wrote to stdout and stderr so far."""
         return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, lines: int = 3) -> str:
+        """The log's last lines on one line: the first line of an error, which a benchmark's table shows."""
+        return " | ".join(self.log().strip().splitlines()[-lines:]) or "(no output)"
 
 
 @dataclass
@@ -93,51 +102,54 @@ def sse_events(response: http.client.HTTPResponse) -> Iterator[tuple[str, dict]]
         yield line[len(b"event: ") : -1].decode(), json.loads(data[len(b"data: ") :])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def running(*flags: str, startup_timeout: float = 300.0, env: dict | None = None) -> Iterator[Server]:
-    """A server started with these extra flags; stopped (SIGTERM, then SIGKILL) on exit."""
+    """tornchat serve with these extra flags on a free port, ready; stopped on exit."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="tornchat-server-") as tmp:
-        log_path = Path(tmp) / "server.log"
-        with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "tornchat", "serve", "--host", "127.0.0.1", "--port", str(port), *flags],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
-            )
-        server = Server(port, process, log_path)
+        command = [sys.executable, "-m", "tornchat", "serve", "--host", "127.0.0.1", "--port", str(port), *flags]
+        server = launch(command, port, Path(tmp) / "server.log", env)
         try:
-            _wait_ready(server, startup_timeout)
+            wait_ready(server, startup_timeout)
             yield server
         finally:
-            _stop(process)
+            stop(server)
 
 
-def _wait_ready(server: Server, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def launch(command: list[str], port: int, log_path: Path, env: dict | None = None, ready_path: str = "/health") -> Server:
+    """Any server process (tornchat, llama-server, a baseline) in a session of its own, so that stop()
+    ends the children it forks too; its output goes to log_path."""
+    started = time.perf_counter()
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})}, start_new_session=True)
+    return Server(port, process, log_path, ready_path, started)
+
+
+def wait_ready(server: Server, timeout: float) -> float:
+    """Seconds from launch until its ready path answers 200; raises with the log's tail if it never does."""
+    deadline = server.started + timeout
+    while time.perf_counter() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log()[-3000:]}")
+            raise RuntimeError(f"server exited with status {server.process.returncode}: {server.log_tail()}\n"
+                               f"{server.log()[-3000:]}")
         try:
-            server.health()
-            return
-        except (urllib.error.URLError, ConnectionError, OSError):
-            time.sleep(0.1)
-    raise RuntimeError(f"server not ready after {timeout:.0f} s:\n{server.log()[-3000:]}")
+            with urllib.request.urlopen(server.url + server.ready_path, timeout=10) as reply:
+                if reply.status == 200:
+                    server.ready_s = time.perf_counter() - server.started
+                    return server.ready_s
+        except OSError:  # refused while it starts; urllib's HTTPError (a 503 while loading) is one too
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"server not ready after {timeout:.0f} s: {server.log_tail()}\n{server.log()[-3000:]}")
 
 
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
+def stop(server: Server) -> None:
+    """SIGTERM to its session, then SIGKILL after 15 s."""
+    if server.process.poll() is None:
+        os.killpg(server.process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=15)
+            server.process.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            os.killpg(server.process.pid, signal.SIGKILL)
+            server.process.wait()

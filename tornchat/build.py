@@ -86,7 +86,7 @@ def sample_ids(tokenizer) -> list[int]:
 
 def warm_up(runner: Runner) -> None:
     """A prefill, a decode step and a sampled token before the first request, which would otherwise pay
-    for them: on CUDA, compiling the Triton sampler and capturing its graph took 7 s on an H100."""
+    for them: on CUDA, compiling the Triton sampler and capturing its graph takes seconds."""
     cache = runner.new_cache()
     runner.forward([0], cache)
     logits = runner.forward([0], cache, decode=True)

@@ -1,0 +1,52 @@
+"""What the benchmarks share: a free port, percentiles, decode rates and the one results writer."""
+import json
+import socket
+import time
+from datetime import datetime
+from pathlib import Path
+
+from tornchat.engine.cpu import describe
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank q-quantile (q in 0..1), or None of no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def rate_after_first(tokens: int, first: float, last: float) -> float | None:
+    """Tokens/s of a reply after its first token, whose time is the TTFT's: the tokens after the first over
+    the time from the first to the last; None where that time or those tokens are none."""
+    return (tokens - 1) / (last - first) if tokens > 1 and last > first else None
+
+
+def greedy_steps_rate(runner, cache, token: int, steps: int) -> tuple[float, int]:
+    """Tokens/s of ``steps`` greedy one-token forwards on ``cache`` from ``token``, and the last token."""
+    started = time.perf_counter()
+    for _ in range(steps):
+        token = int(runner.forward([token], cache, decode=True).argmax())
+    return steps / (time.perf_counter() - started), token
+
+
+def stamp() -> str:
+    """The date and time a results file name carries: 20261125-143000."""
+    return datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def write_results(path: Path, record: dict) -> Path:
+    """``record`` as indented JSON at ``path`` (its folder made), with the CPU (model name and the flags that
+    decide kernel speed) and the date it was written in it: a figure is only read against its machine."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = {"cpu": describe(), "date": datetime.now().isoformat(timespec="seconds"), **record}
+    path.write_text(json.dumps(written, indent=2))
+    return path
