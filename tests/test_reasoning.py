@@ -1,6 +1,7 @@
 """Thinking kept apart from the answer: the splitter on real templates' renders, the prompt side, and the
 budget through the engine (a tiny random model, whose greedy text is forced where a test needs a tag)."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tornchat.engine.types import Thinking
 # Seeded sampling: the random model's greedy text is newlines only; the seed keys each token by its index, so a
 # reply the budget cuts short shares its first tokens with the uncut one.
 SEEDED = SamplingParams(temperature=1.0, seed=3)
+SCRIPTED = dataclasses.replace(SEEDED, options={"scripted": 1.0})  # runs scripted()'s processor
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 THOUGHT, ANSWER = "The user asks for a capital.\nFrance's is Paris.", "Paris."
 
@@ -108,11 +110,12 @@ def test_a_call_written_while_thinking_is_no_call(templated):
 # ---- through the engine -------------------------------------------------------------
 
 
-def scripted(tokenizer, text: str):
-    """A logits processor that makes the reply start with text, token by token; the model goes on from there."""
+def scripted(tokenizer, text: str) -> processors.Processor:
+    """A logits processor that makes the reply start with text, token by token; the model goes on from there.
+    It runs where a request sets its field "scripted" (SCRIPTED)."""
     script = tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def force(logits, params, history):
+    def force(logits, *, scripted, history):
         step = len(history.output_ids)
         if step >= len(script):
             return logits
@@ -120,7 +123,8 @@ def scripted(tokenizer, text: str):
         forced[script[step]] = 0.0
         return forced
 
-    return force
+    field = processors.Field("scripted", processors.NUMBER, 0.0, "the test's script")
+    return processors.Processor("scripted", (field,), processors.BEFORE_MASK, force, needs=("history",))
 
 
 def tag(tokenizer) -> list[int]:
@@ -128,9 +132,9 @@ def tag(tokenizer) -> list[int]:
     return tokenizer(CLOSING.rstrip(), add_special_tokens=False)["input_ids"]
 
 
-def generate(engine, thinking_spec, max_tokens=40):
+def generate(engine, thinking_spec, max_tokens=40, sampling=SEEDED):
     ids = prompt.encode(engine.tokenizer, prompt.render(engine.tokenizer, ASK))
-    events = list(engine.generate(GenerationRequest(ids, SEEDED, max_tokens=max_tokens, thinking=thinking_spec)))
+    events = list(engine.generate(GenerationRequest(ids, sampling, max_tokens=max_tokens, thinking=thinking_spec)))
     tokens = [t for e in events for t in e.token_ids]
     return tokens, "".join(e.text for e in events), events[-1]
 
@@ -153,7 +157,7 @@ def test_budget_closes_the_thinking_after_exactly_n_tokens_and_an_answer_follows
 def test_budget_counts_from_the_opening_tag_the_model_writes(tiny_engine, tokenizer, monkeypatch):
     opening = "<think>\nHmm"  # "<", "think", ">": the tag itself is cut across three tokens
     monkeypatch.setattr(processors, "PROCESSORS", (*processors.PROCESSORS, scripted(tokenizer, opening)))
-    tokens, text, last = generate(tiny_engine, Thinking(inside=False, budget=3))
+    tokens, text, last = generate(tiny_engine, Thinking(inside=False, budget=3), sampling=SCRIPTED)
     opened = len(tokenizer("<think>", add_special_tokens=False)["input_ids"])
     closing = tokenizer(CLOSING, add_special_tokens=False)["input_ids"]
     assert tokens[opened + 3:opened + 3 + len(closing)] == closing
@@ -168,7 +172,7 @@ def test_no_budget_and_no_thinking_leave_the_reply_alone(tiny_engine, tokenizer,
     assert (tokens, text) == (plain, plain_text) and last.usage.reasoning_tokens == 0 == plain_last.usage.reasoning_tokens
     script = "<think>\nShort.\n</think>\n\nAnswer"
     monkeypatch.setattr(processors, "PROCESSORS", (*processors.PROCESSORS, scripted(tokenizer, script)))
-    tokens, text, last = generate(tiny_engine, Thinking(inside=False, budget=50))
+    tokens, text, last = generate(tiny_engine, Thinking(inside=False, budget=50), sampling=SCRIPTED)
     assert text.startswith(script) and split(text, inside=False)[0] == "Short."
     assert last.usage.reasoning_tokens == len(tokenizer("<think>\nShort.\n</think>", add_special_tokens=False)["input_ids"])
 
