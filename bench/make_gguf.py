@@ -24,8 +24,13 @@ what it writes.
 Prints the path of each file it wrote. Presets: 135m (the embedded model's
 shape), 1b (Llama-3.2-1B-like), 3b (Llama-3.2-3B-like), qwen3-0.6b and
 qwen3-4b (Qwen3's shapes: architecture qwen3, per-head q/k norms, head_dim
-128; still the embedded model's tokenizer); --layers, --hidden, --ffn,
---heads, --kv-heads, --context-length and --rope-theta override them.
+128; still the embedded model's tokenizer), gemma3-1b (Gemma 3 1B's shape:
+architecture gemma3, sliding-window layers of 512 positions, post-attention
+and post-MLP norms, head_dim 256; the embedded model's tokens padded with
+<unusedN> to Gemma's 262,144, so that the embedding and the head have their
+real size, plus <bos>, <start_of_turn> and <end_of_turn> and Gemma's chat
+template); --layers, --hidden, --ffn, --heads, --kv-heads, --context-length
+and --rope-theta override them.
 """
 import argparse
 import ctypes
@@ -52,8 +57,10 @@ class Shape:
     context_length: int = 8192
     rope_theta: float = 100000.0
     rms_eps: float = 1e-5
-    arch: str = "llama"  # or "qwen3": per-head q/k norms
-    key_length: int | None = None  # head_dim where heads * head_dim is not hidden (Qwen3)
+    arch: str = "llama"  # or "qwen3": per-head q/k norms; or "gemma3"
+    key_length: int | None = None  # head_dim where heads * head_dim is not hidden (Qwen3, Gemma 3)
+    sliding_window: int = 0  # Gemma 3: the windowed layers' (every layer but each 6th) window
+    vocab: int | None = None  # the embedded model's tokens padded to this many (Gemma 3's vocabulary size)
 
     @property
     def head_dim(self) -> int:
@@ -68,7 +75,24 @@ PRESETS = {
                         rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3", key_length=128),
     "qwen3-4b": Shape(layers=36, hidden=2560, ffn=9728, heads=32, kv_heads=8, context_length=40960,
                       rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3", key_length=128),
+    "gemma3-1b": Shape(layers=26, hidden=1152, ffn=6912, heads=4, kv_heads=1, context_length=32768,
+                       rope_theta=1000000.0, rms_eps=1e-6, arch="gemma3", key_length=256, sliding_window=512,
+                       vocab=262144),
 }
+# Gemma's chat template (text only): the system prompt opens the first user turn, the assistant is "model".
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+GEMMA_MARKERS = ("<bos>", "<start_of_turn>", "<end_of_turn>")  # control tokens after the embedded model's
 # Shape fields a command-line flag of the same name (--kv-heads for kv_heads) overrides.
 OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "context_length", "rope_theta")
 
@@ -85,6 +109,31 @@ def tokenizer_fields(reader: gguf.GGUFReader) -> list[tuple]:
     return fields
 
 
+def gemma_tokenizer_fields(fields: list[tuple], vocab: int) -> list[tuple]:
+    """``tokenizer_fields`` as a Gemma-style vocabulary: the embedded model's tokens, then GEMMA_MARKERS as control
+    tokens (BOS and, as in Gemma's chat, <end_of_turn> as EOS), then <unusedN> up to ``vocab``; Gemma's chat
+    template; BOS added. Its byte-level merges stay those of the embedded model's tokens, so that no text
+    encodes to an <unusedN>; they are normal tokens all the same, which both servers spell out when random
+    weights pick them (llama.cpp writes nothing for a token typed unused)."""
+    by_key = {key: (value, vtype, sub_type) for key, value, vtype, sub_type in fields}
+    tokens, _, _ = by_key["tokenizer.ggml.tokens"]
+    types, _, _ = by_key["tokenizer.ggml.token_type"]
+    first = len(tokens)
+    pad = vocab - first - len(GEMMA_MARKERS)
+    tokens = list(tokens) + list(GEMMA_MARKERS) + [f"<unused{i}>" for i in range(pad)]
+    types = list(types) + [gguf.TokenType.CONTROL] * len(GEMMA_MARKERS) + [gguf.TokenType.NORMAL] * pad
+    U32, ARRAY = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.ARRAY
+    by_key |= {
+        "tokenizer.ggml.tokens": (tokens, ARRAY, gguf.GGUFValueType.STRING),
+        "tokenizer.ggml.token_type": ([int(t) for t in types], ARRAY, gguf.GGUFValueType.INT32),
+        "tokenizer.ggml.bos_token_id": (first, U32, None),
+        "tokenizer.ggml.eos_token_id": (first + 2, U32, None),
+        "tokenizer.ggml.add_bos_token": (True, gguf.GGUFValueType.BOOL, None),
+        "tokenizer.chat_template": (GEMMA_TEMPLATE, gguf.GGUFValueType.STRING, None),
+    }
+    return [(key, value, vtype, sub_type) for key, (value, vtype, sub_type) in by_key.items()]
+
+
 def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     """Tensor names and numpy shapes (out_features, in_features) as llama.cpp's llama loader expects them."""
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
@@ -96,12 +145,14 @@ def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
             (f"blk.{n}.attn_k.weight", (kv_dim, shape.hidden)),
             (f"blk.{n}.attn_v.weight", (kv_dim, shape.hidden)),
             *([(f"blk.{n}.attn_q_norm.weight", (shape.head_dim,)), (f"blk.{n}.attn_k_norm.weight", (shape.head_dim,))]
-              if shape.arch == "qwen3" else []),
+              if shape.arch in ("qwen3", "gemma3") else []),
             (f"blk.{n}.attn_output.weight", (shape.hidden, q_dim)),
+            *([(f"blk.{n}.post_attention_norm.weight", (shape.hidden,))] if shape.arch == "gemma3" else []),
             (f"blk.{n}.ffn_norm.weight", (shape.hidden,)),
             (f"blk.{n}.ffn_gate.weight", (shape.ffn, shape.hidden)),
             (f"blk.{n}.ffn_up.weight", (shape.ffn, shape.hidden)),
             (f"blk.{n}.ffn_down.weight", (shape.hidden, shape.ffn)),
+            *([(f"blk.{n}.post_ffw_norm.weight", (shape.hidden,))] if shape.arch == "gemma3" else []),
         ]
     plan.append(("output_norm.weight", (shape.hidden,)))
     return plan
@@ -109,7 +160,10 @@ def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
 
 def write_f16(path: Path, name: str, shape: Shape, source: Path, seed: int, std: float) -> None:
     reader = gguf.GGUFReader(source)
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    tokenizer = tokenizer_fields(reader)
+    if shape.vocab:
+        tokenizer = gemma_tokenizer_fields(tokenizer, shape.vocab)
+    vocab = len(next(value for key, value, _, _ in tokenizer if key == "tokenizer.ggml.tokens"))
     writer = gguf.GGUFWriter(path, shape.arch)
     writer.add_name(name)
     writer.add_description(f"random weights (seed {seed}, std {std}) with {source.name}'s tokenizer, for benchmarks")
@@ -127,7 +181,9 @@ def write_f16(path: Path, name: str, shape: Shape, source: Path, seed: int, std:
     if shape.key_length:
         writer.add_key_length(shape.key_length)
         writer.add_value_length(shape.key_length)
-    for key, value, vtype, sub_type in tokenizer_fields(reader):
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
+    for key, value, vtype, sub_type in tokenizer:
         writer.add_key_value(key, value, vtype, sub_type)
     del reader
 

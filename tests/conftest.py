@@ -154,6 +154,29 @@ def tiny_qwen3():
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3():
+    """Gemma 3: windowed layers (8 positions, RoPE base 10000) around a global one (base 1e6, linear scaling),
+    norms of (1 + weight) before and after attention and the MLP, per-head q/k norms, GELU gating, embeddings
+    scaled by sqrt(hidden), queries by a query_pre_attn_scalar that is not head_dim."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(3)
+    config = Gemma3TextConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=600, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    )
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():  # Gemma's norm weights start at 0 (a scale of 1): away from it, different per dimension
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(-0.5, 0.5)
+    return model
+
+
+@pytest.fixture(scope="session")
 def chromium():
     """Debian's Chromium under Playwright; the browser tests skip, saying why, on a machine without it."""
     import browser

@@ -45,13 +45,16 @@ def file_values(array: np.ndarray, type_name: str) -> np.ndarray:
 
 def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 2, hidden: int = 256, ffn: int = 512,
           heads: int = 4, kv_heads: int = 2, tied: bool = True, seed: int = 0, tokenizer: bool = False,
-          head_dim: int | None = None) -> Path:
+          head_dim: int | None = None, window: int = 0) -> Path:
     """A model file: ``types`` maps a tensor's role (q, k, v, o, gate, up, down, embed, output) to its type;
     roles not given are F32. Qwen2 files get q/k/v biases, Qwen3 files per-head q/k norms (and ``head_dim``, if
-    given, is written as the key length, heads times it need not be ``hidden``). With ``tokenizer``, the embedded model's
+    given, is written as the key length, heads times it need not be ``hidden``). Gemma 3 files get q/k norms,
+    post-attention and post-MLP norms, RoPE base 1e6 (the windowed layers' stays llama.cpp's 10000) and, with
+    ``window``, that attention window. With ``tokenizer``, the embedded model's
     tokenizer and its vocabulary; without, a 512-token vocabulary and no tokenizer (faster to read).
     Broken files for the error tests: ``types["missing"]`` names a tensor or metadata key left out,
-    ``types["heads"]`` a head count written into the metadata that the tensors do not have."""
+    ``types["heads"]`` a head count written into the metadata that the tensors do not have, ``types["softcap"]``
+    a final logit soft-capping."""
     rng = np.random.default_rng(seed)
     embedded = gguf.GGUFReader(default_gguf_path()) if tokenizer else None
     vocab = int(embedded.fields["llama.vocab_size"].contents()) if tokenizer else 512
@@ -63,7 +66,11 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
         if f"{arch}.{key}" != missing:
             writer.add_uint32(f"{arch}.{key}", value)
     writer.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
-    writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    writer.add_float32(f"{arch}.rope.freq_base", 1e6 if arch == "gemma3" else 10000.0)
+    if window:
+        writer.add_uint32(f"{arch}.attention.sliding_window", window)
+    if "softcap" in types:
+        writer.add_float32(f"{arch}.final_logit_softcapping", float(types["softcap"]))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_uint32(f"{arch}.vocab_size", vocab)
     for key, value, vtype, sub_type in tokenizer_fields(embedded) if tokenizer else ():
@@ -81,6 +88,10 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
         raw_dtype = None if array.dtype != np.uint8 else gguf.GGMLQuantizationType[type_name]
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
 
+    def norm(name: str, size: int):
+        if name != missing:
+            writer.add_tensor(name, rng.uniform(0.5, 1.5, size).astype(np.float32))
+
     add("token_embd.weight", "embed", vocab, hidden)
     for i in range(layers):
         writer.add_tensor(f"blk.{i}.attn_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
@@ -90,14 +101,18 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
         if arch == "qwen2":
             for part, size in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
                 writer.add_tensor(f"blk.{i}.attn_{part}.bias", rng.normal(0, 0.5, size * head_dim).astype(np.float32))
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             for part in "qk":
                 writer.add_tensor(f"blk.{i}.attn_{part}_norm.weight", rng.uniform(0.5, 1.5, head_dim).astype(np.float32))
         add(f"blk.{i}.attn_output.weight", "o", hidden, heads * head_dim)
+        if arch == "gemma3":
+            norm(f"blk.{i}.post_attention_norm.weight", hidden)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
         add(f"blk.{i}.ffn_gate.weight", "gate", ffn, hidden)
         add(f"blk.{i}.ffn_up.weight", "up", ffn, hidden)
         add(f"blk.{i}.ffn_down.weight", "down", hidden, ffn)
+        if arch == "gemma3":
+            norm(f"blk.{i}.post_ffw_norm.weight", hidden)
     writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
     if not tied:
         add("output.weight", "output", vocab, hidden)

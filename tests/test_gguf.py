@@ -64,12 +64,17 @@ MIXES = {
 
 
 @pytest.mark.parametrize("arch, mix, tied", [("llama", name, True) for name in MIXES] + [("llama", "q4_k_m", False),
-                                             ("qwen2", "q4_0", True), ("qwen3", "q4_k_m", True)])
+                                             ("qwen2", "q4_0", True), ("qwen3", "q4_k_m", True),
+                                             ("gemma3", "q4_k_m", True)])
 def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, arch, mix, tied):
     types = MIXES[mix] | ({"output": "Q6_K"} if not tied else {})
-    # Qwen3's heads times head_dim is not its hidden size (0.6B: 16 x 128 over 1024)
+    # Qwen3's heads times head_dim is not its hidden size (0.6B: 16 x 128 over 1024). Gemma 3: head_dim 256, as
+    # transformers takes query_pre_attn_scalar (absent from GGUF) to be; 6 layers, the last global, the other
+    # five windowed to 16 of the 40 positions.
+    gemma = arch == "gemma3"
     path = gguf_files.write(tmp_path / f"{arch}-{mix}.gguf", types, arch=arch, tied=tied,
-                            head_dim=128 if arch == "qwen3" else None)
+                            head_dim={"qwen3": 128, "gemma3": 256}.get(arch), layers=6 if gemma else 2,
+                            window=16 if gemma else 0)
     expected = hf_logits(path, IDS)
     config, plain = gguf_file.load(path, plain=torch.float32)  # the file's values, dequantized
     torch.testing.assert_close(llama.LlamaRunner(config, plain, kv_dtype=torch.float32).score(IDS, "exact"), expected,
@@ -97,6 +102,8 @@ def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, 
     ("llama", {"missing": "blk.1.ffn_up.weight"}, r"has no tensor blk.1.ffn_up.weight"),
     ("llama", {"missing": "llama.embedding_length"}, r"lacks the metadata key llama.embedding_length"),
     ("llama", {"heads": "8"}, r"attn_k.weight in m.gguf is 128 x 256, not the 64 x 256"),  # tensors that do not fit
+    ("gemma3", {"softcap": "30"}, r"final logit softcapping in m.gguf"),
+    ("gemma3", {"missing": "blk.0.post_ffw_norm.weight"}, r"has no tensor blk.0.post_ffw_norm.weight"),
 ])
 def test_what_it_does_not_read_fails_with_one_line(tmp_path, arch, types, message, monkeypatch):
     if "Q2_K" in types.values():  # gguf's writer takes raw blocks of any type; ours has no random Q2_K
@@ -144,3 +151,14 @@ def test_a_hf_checkpoint_is_packed_layer_by_layer_as_it_is_read(tiny_checkpoint,
     reference_config, plain = llama.from_transformers(tiny_model)  # the same weights, packed from the model
     expected = llama.LlamaRunner(reference_config, llama.pack(plain, mode))
     assert torch.equal(llama.LlamaRunner(config, weights).score(IDS), expected.score(IDS))
+
+
+def test_a_gemma3_checkpoint_is_packed_as_its_transformers_model_is(tiny_gemma3, tokenizer, tmp_path):
+    """The safetensors path reads Gemma's names and (1 + weight) norms as from_transformers does."""
+    tiny_gemma3.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = checkpoint.load(str(tmp_path), model_impl="auto", quantize="int8")
+    assert loaded.model is None and loaded.packed
+    reference_config, plain = llama.from_transformers(tiny_gemma3)
+    expected = llama.LlamaRunner(reference_config, llama.pack(plain, "int8"))
+    assert torch.equal(llama.LlamaRunner(*loaded.lean).score(IDS), expected.score(IDS))

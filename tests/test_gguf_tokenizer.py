@@ -112,3 +112,25 @@ def test_a_tokenizer_we_build_is_not_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("TORNCHAT_CACHE", str(tmp_path))
     checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(checkpoint.default_gguf_path()))
     assert not list(tmp_path.iterdir())
+
+
+def test_the_gemma_benchmark_vocabulary_chats_in_gemma_turns(tmp_path):
+    """bench/make_gguf.py's gemma3 presets: the embedded model's tokens padded to Gemma's vocabulary size, its
+    turn markers single control tokens, <end_of_turn> the end of a reply, Gemma's template."""
+    import gguf
+    import numpy as np
+    from make_gguf import GEMMA_MARKERS, gemma_tokenizer_fields, tokenizer_fields
+
+    vocab = 60_000
+    fields = {key.removeprefix("tokenizer.ggml.").removeprefix("tokenizer."): value for key, value, _, _ in
+              gemma_tokenizer_fields(tokenizer_fields(gguf.GGUFReader(checkpoint.default_gguf_path())), vocab)}
+    fields["token_type"] = np.array(fields["token_type"], dtype=np.int32)
+    tokenizer = gguf_tokenizer.build(gguf_file.GGUFFile(gguf_files.write_tokenizer(tmp_path / "g.gguf", **fields)))
+    bos, start, end = (tokenizer.convert_tokens_to_ids(t) for t in GEMMA_MARKERS)
+    assert len(tokenizer) == vocab and tokenizer.eos_token_id == end == bos + 2 and tokenizer.bos_token_id == bos
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": " Hi "}], add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    text = tokenizer.encode
+    assert ids == [bos, start, *text("user\nHi", add_special_tokens=False), end, *text("\n", add_special_tokens=False),
+                   start, *text("model\n", add_special_tokens=False)]
+    assert tokenizer.decode([vocab - 1]) == f"<unused{vocab - bos - 4}>"

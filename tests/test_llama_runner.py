@@ -34,9 +34,10 @@ def run_chunks(runner, cache, tokens: list[int], chunk: int) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen2", "tiny_qwen3"])
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3"])
 def test_tiny_logits_match_hf_prefill_chunks_and_decode(model_name, request):
     model = request.getfixturevalue(model_name)
+    assert llama.unsupported_reason(model.config) is None
     hf, lean_runner = HFRunner(model), lean(model, kv_dtype=torch.float32)  # F32 blocks: transformers' numbers
     tokens = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     hf_cache, lean_cache = hf.new_cache(), lean_runner.new_cache()
@@ -133,12 +134,12 @@ def greedy_paths(runner, prompt_ids: list[int], drafts: list[int]) -> list[tuple
 
 
 @pytest.mark.parametrize("isa", blocks.isas())
-@pytest.mark.parametrize("quantize", FORMATS)
-def test_a_row_gets_the_same_bits_whatever_path_it_takes(tiny_model, quantize, isa):
+@pytest.mark.parametrize("model_name, quantize", [("tiny_model", q) for q in FORMATS] + [("tiny_gemma3", "int4")])
+def test_a_row_gets_the_same_bits_whatever_path_it_takes(model_name, quantize, isa, request):
     """One answer per request: a position's logits and keys are the same bits whether it was prefilled in one
     chunk or several, stepped, verified with drafts (after a rollback too) or scored, in every block format and
-    on every instruction-set path this CPU has (AVX2 on every x86 machine)."""
-    runner = lean(tiny_model, quantize, isa=isa)
+    on every instruction-set path this CPU has (AVX2 on every x86 machine); Gemma 3's windowed attention too."""
+    runner = lean(request.getfixturevalue(model_name), quantize, isa=isa)
     assert runner.isa == isa and runner.step is not None
     paths = greedy_paths(runner, list(range(100, 140)), [7, 300, 12, 12, 55, 901, 3, 44, 8])
     first_logits, first_kv = paths[0]
@@ -249,10 +250,11 @@ def test_quantized_greedy_and_perplexity_track_fp32(smol, smol_lean, quantize):
 
 
 @pytest.mark.parametrize("isa", blocks.isas())
-def test_sequences_batched_together_get_what_each_gets_alone(tiny_model, isa):
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_gemma3"])
+def test_sequences_batched_together_get_what_each_gets_alone(model_name, isa, request):
     """Several generations' rows in one forward (a prefill chunk, a step, a verify side by side, at different
     positions of their own caches): each sequence's logits and cache are the bits it gets alone."""
-    runner = lean(tiny_model, "int4", isa=isa)
+    runner = lean(request.getfixturevalue(model_name), "int4", isa=isa)
     prompts = [list(range(100, 140)), list(range(300, 307)), list(range(500, 519))]
     alone, caches = [], []
     for prompt_ids in prompts:
@@ -281,3 +283,16 @@ def test_sequences_batched_together_get_what_each_gets_alone(tiny_model, isa):
     got = runner.forward_many([(ids, cache, every) for (ids, every), cache in zip(calls, mixed)])
     assert [g.shape[0] for g in got] == [3, 1, 1]
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"final_logit_softcapping": 30.0}, "logit soft-capping"),
+    ({"hidden_activation": "gelu"}, "activation 'gelu'"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "RoPE type 'dynamic'"),
+])
+def test_gemma3_variants_it_does_not_run_are_named(tiny_gemma3, change, reason):
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(**{**tiny_gemma3.config.to_dict(), **change})
+    assert reason in llama.unsupported_reason(config)

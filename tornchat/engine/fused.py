@@ -64,18 +64,21 @@ def rope_ref(qkv: torch.Tensor, freqs: torch.Tensor, heads: int, kv_heads: int, 
     return torch.view_as_real(rotated * torch.view_as_complex(freqs)[:, None]).reshape(n, heads + kv_heads, head_dim)
 
 
-def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
+               window: int = 0) -> torch.Tensor:
     """Causal attention of n decode rows: q [n, heads, head_dim] at positions start .. start + n - 1, over a
     layer's cache, keys and values [capacity, kv_heads, head_dim] (grouped-query: each KV head serves
-    heads / kv_heads query heads). Row r attends to positions 0 .. start + r: softmax(scale * q . k) v, in
-    fp32; returns [n, heads * head_dim]. The C++ decode step's attention (``attend``) computes this."""
+    heads / kv_heads query heads). Row r attends to positions 0 .. start + r (with ``window``, the last
+    ``window`` of them): softmax(scale * q . k) v, in fp32; returns [n, heads * head_dim]. The C++ decode
+    step's attention (``attend``) computes this."""
     n, heads, head_dim = q.shape
     groups = heads // keys.shape[1]
     rows = []
     for r in range(n):
         seen = start + r + 1
-        k = keys[:seen].float().transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, seen, head_dim]
-        v = values[:seen].float().transpose(0, 1).repeat_interleave(groups, dim=0)
+        first = max(0, seen - window) if window else 0
+        k = keys[first:seen].float().transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, seen, head_dim]
+        v = values[first:seen].float().transpose(0, 1).repeat_interleave(groups, dim=0)
         weights = torch.softmax(scale * (k @ q[r].float()[:, :, None])[..., 0], dim=-1)  # [heads, seen]
         rows.append((weights[:, None, :] @ v)[:, 0].reshape(heads * head_dim))
     return torch.stack(rows)
@@ -87,25 +90,33 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(gate_up.dtype)
 
 
+def gelu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu_mul_ref`` with GELU's tanh approximation for SiLU (Gemma 3)."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
+
+
 @dataclass(frozen=True)
 class Ops:
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
     rope_store: Callable[..., torch.Tensor]
     silu_mul: Callable[[torch.Tensor], torch.Tensor]
+    gelu_mul: Callable[[torch.Tensor], torch.Tensor]
 
 
-REFERENCE = Ops(rms_norm_ref, rope_store_ref, silu_mul_ref)
-NATIVE = Ops(_native.rms_norm, _native.rope_store, _native.silu_mul) if _native else None
+REFERENCE = Ops(rms_norm_ref, rope_store_ref, silu_mul_ref, gelu_mul_ref)
+NATIVE = Ops(_native.rms_norm, _native.rope_store, _native.silu_mul, _native.gelu_mul) if _native else None
 
 
 ATTEND_LANES = 16  # the C++ attention's vectors: head_dim must be a multiple, at most 16 of them
 KEY_BLOCK = 16  # positions per block of the C++ forward's keys (forward_layout)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
+           window: int = 0) -> torch.Tensor:
     """The C++ forward's attention (``attend_ref``'s semantics, each row's bits whatever rows come with it), over a
     layer's keys and values in the forward's layout (``forward_layout``)."""
-    return _native.attend(q, keys, values, start, scale)
+    return _native.attend(q, keys, values, start, scale, window)
 
 
 def forward_layout(kv: torch.Tensor) -> torch.Tensor:
@@ -151,11 +162,13 @@ def attends(head_dim: int) -> bool:
     return _native is not None and head_dim % ATTEND_LANES == 0 and head_dim <= 16 * ATTEND_LANES
 
 
-def native_forward(layers, heads: int, kv_heads: int, eps: float, scale: float, isa: str):
+def native_forward(layers, heads: int, kv_heads: int, eps: float, scale: float, isa: str,
+                   windows: tuple[int, ...] = (), gelu: bool = False):
     """The C++ ``Forward`` over these layers (``llama.Layer``, every matrix a ``quant.BlockWeight``): one
     call runs a chunk of rows through every layer, computing what ``LlamaRunner._layers`` does, each row as
-    if alone (``attend``, the block kernels on instruction-set path ``isa``). None where the extension is
-    not built."""
+    if alone (``attend``, the block kernels on instruction-set path ``isa``). Gemma 3: ``windows`` each
+    layer's attention window (0: none; a windowed layer takes the forward's second RoPE table), ``gelu`` GELU
+    gating, and the layers' post-attention and post-MLP norms. None where the extension is not built."""
     if _native is None:
         return None
     vectors, parts, types = [], [], []
@@ -164,7 +177,11 @@ def native_forward(layers, heads: int, kv_heads: int, eps: float, scale: float, 
         for w in layer.matrices():
             parts.append(list(w.parts))
             types.append([blocks.TYPE_IDS[t] for t in w.types])
-    return _native.Forward(vectors, parts, types, heads, kv_heads, eps, scale, isa)
+    forward = _native.Forward(vectors, parts, types, heads, kv_heads, eps, scale, isa)
+    if gelu or windows or any(layer.post_attn_norm is not None for layer in layers):
+        norms = [_EMPTY if v is None else v for layer in layers for v in (layer.post_attn_norm, layer.post_ffn_norm)]
+        forward.gemma(norms, list(windows) or [0] * len(layers), gelu)
+    return forward
 
 
 _EMPTY = torch.empty(0)

@@ -1,4 +1,4 @@
-"""A lean forward for the Llama family (Llama, Qwen2, Qwen3, Mistral; SmolLM2 is Llama).
+"""A lean forward for the Llama family (Llama, Qwen2, Qwen3, Mistral, Gemma 3; SmolLM2 is Llama).
 
 transformers' modules spend about as long in Python and dispatcher overhead
 as in the matmuls of a small model's decode step (docs/performance.md
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tornchat.engine import blocks, cuda_graph, fused, quant
 from tornchat.engine.model import one_by_one
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 QUANTIZE = ("none", "bf16", "int8", "int4")
 MATRICES = ("wqkv", "wo", "w13", "w2")  # a Layer's matrices, in the order matrices() gives them
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
@@ -36,6 +36,9 @@ class Layer(NamedTuple):
     w13: quant.Weight  # gate and up, stacked
     w2: quant.Weight
     qk_norm: torch.Tensor | None = None  # Qwen3: RMS norm weights of each query and key head [2, head_dim], RoPE pair order
+    # Gemma 3: RMS norms of the attention's and the MLP's outputs before each is added to the residual stream
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
 
     def matrices(self) -> tuple[quant.Weight, ...]:
         return tuple(getattr(self, role) for role in MATRICES)
@@ -54,6 +57,14 @@ class LlamaConfig:
     context_length: int
     inv_freq: torch.Tensor  # [head_dim / 2] RoPE frequencies, scaling applied
     rope_magnitude: float = 1.0  # YaRN-style attention scaling folded into the rotation
+    # Gemma 3: each layer's attention window (0: all positions; a window w sees the last w positions, its own
+    # included), the RoPE frequencies of the windowed layers (None: inv_freq), the attention's scale (None:
+    # head_dim ** -0.5), the embeddings' scale, and GELU (tanh) gating instead of SiLU.
+    windows: tuple[int, ...] = ()
+    local_inv_freq: torch.Tensor | None = None
+    attn_scale: float | None = None
+    embed_scale: float = 1.0
+    gelu: bool = False
 
 
 @dataclass
@@ -80,6 +91,8 @@ def unsupported_reason(config) -> str | None:
     """Why a model of this transformers config cannot run on the lean forward, or None if it can."""
     if config.model_type not in FAMILIES:
         return f"model type {config.model_type!r} is not one of {', '.join(FAMILIES)}"
+    if config.model_type == "gemma3_text":
+        return _gemma3_unsupported_reason(config)
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
         return "only SiLU-gated MLPs without bias"
     window = getattr(config, "sliding_window", None)
@@ -88,6 +101,21 @@ def unsupported_reason(config) -> str | None:
     rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type not in STATIC_ROPE:
         return f"RoPE type {rope_type!r}"
+    return None
+
+
+def _gemma3_unsupported_reason(config) -> str | None:
+    """``unsupported_reason`` of a Gemma 3 text config: its windows and two RoPE tables are read, not checked."""
+    if config.final_logit_softcapping or config.attn_logit_softcapping:
+        return "logit soft-capping"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    if config.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return f"activation {config.hidden_activation!r} (Gemma 3: GELU, tanh approximation)"
+    for layer_type, params in config.rope_parameters.items():
+        allowed = STATIC_ROPE if layer_type == "full_attention" else ("default",)
+        if params["rope_type"] not in allowed:
+            return f"RoPE type {params['rope_type']!r} in {layer_type} layers"
     return None
 
 
@@ -114,6 +142,8 @@ def config_of(config) -> LlamaConfig:
     and scaling computed by the family's own rotary embedding."""
     import importlib
 
+    if config.model_type == "gemma3_text":
+        return _gemma3_config(config)
     family = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
     rotary = getattr(family, type(config).__name__.removesuffix("Config") + "RotaryEmbedding")(config)  # LlamaRotaryEmbedding
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -121,6 +151,37 @@ def config_of(config) -> LlamaConfig:
         hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
         head_dim=head_dim, eps=config.rms_norm_eps, context_length=int(config.max_position_embeddings),
         inv_freq=rotary.inv_freq.detach().float(), rope_magnitude=float(rotary.attention_scaling),
+    )
+
+
+def _gemma3_config(config) -> LlamaConfig:
+    """``config_of`` a Gemma 3 text config: windowed layers with their own RoPE base, the rest with the global
+    one and its scaling."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    rotary = Gemma3RotaryEmbedding(config)
+    return LlamaConfig(
+        hidden=config.hidden_size, heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
+        head_dim=config.head_dim, eps=config.rms_norm_eps, context_length=int(config.max_position_embeddings),
+        inv_freq=rotary.full_attention_inv_freq.detach().float(),
+        rope_magnitude=float(rotary.full_attention_attention_scaling),
+        windows=tuple(config.sliding_window if t == "sliding_attention" else 0 for t in config.layer_types),
+        local_inv_freq=rotary.sliding_attention_inv_freq.detach().float() if "sliding_attention" in config.layer_types else None,
+        attn_scale=config.query_pre_attn_scalar ** -0.5, embed_scale=config.hidden_size ** 0.5, gelu=True,
+    )
+
+
+def _gemma3_norms(block, layer: Layer) -> Layer:
+    """``layer`` (a Gemma 3 decoder layer read as a Llama one) with Gemma's norms: four per layer, whose
+    post_attention_layernorm is not Llama's pre-MLP norm, each scaling by 1 + weight, stored here as the weight
+    (llama.cpp's GGUF converter stores them so too)."""
+    def norm(module) -> torch.Tensor:
+        return module.weight.detach() + 1
+
+    return layer._replace(
+        attn_norm=norm(block.input_layernorm), ffn_norm=norm(block.pre_feedforward_layernorm),
+        qk_norm=qk_norms(norm(block.self_attn.q_norm), norm(block.self_attn.k_norm)),
+        post_attn_norm=norm(block.post_attention_layernorm), post_ffn_norm=norm(block.post_feedforward_layernorm),
     )
 
 
@@ -155,8 +216,11 @@ def from_transformers(model: torch.nn.Module) -> tuple[LlamaConfig, LlamaWeights
     embed, head = inner.embed_tokens.weight.detach(), model.lm_head.weight.detach()
     if head.data_ptr() == embed.data_ptr():  # tied: one tensor for both, which pack() keeps as one
         embed = head
-    weights = LlamaWeights(embed=embed, layers=[layer(b) for b in inner.layers], final_norm=inner.norm.weight.detach(),
-                           head=head)
+    layers, final_norm = [layer(b) for b in inner.layers], inner.norm.weight.detach()
+    if model.config.model_type == "gemma3_text":
+        layers = [_gemma3_norms(b, read) for b, read in zip(inner.layers, layers)]
+        final_norm = final_norm + 1  # the (1 + weight) of Gemma's norms
+    weights = LlamaWeights(embed=embed, layers=layers, final_norm=final_norm, head=head)
     return spec, weights
 
 
@@ -230,24 +294,37 @@ class LlamaRunner:
         self.device, self.dtype = weights.final_norm.device, weights.final_norm.dtype
         self.context_length = config.context_length
         self.heads, self.kv_heads, self.head_dim = config.heads, config.kv_heads, config.head_dim
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.attn_scale or config.head_dim ** -0.5
         self.eps, self.hidden = config.eps, config.hidden
+        self.windows = config.windows or (0,) * len(self.layers)
 
-        positions = torch.arange(self.context_length, dtype=torch.float32, device=self.device)
-        angles = torch.outer(positions, config.inv_freq.to(self.device))
-        magnitude = torch.full_like(angles, config.rope_magnitude)
-        self.rope = torch.view_as_real(torch.polar(magnitude, angles)).contiguous()  # [context, head_dim / 2, (cos, sin)]
+        self.rope = self._rope_table(config.inv_freq, config.rope_magnitude)  # [context, head_dim / 2, (cos, sin)]
+        # Gemma 3: the windowed layers' table (RoPE base 10000, no scaling)
+        self.local_rope = None if config.local_inv_freq is None else self._rope_table(config.local_inv_freq, 1.0)
         self.ops = fused.ops_for(self.device, self.dtype)
         on_cpu = self.device.type == "cpu"
         self.kv_dtype = kv_dtype or (torch.bfloat16 if on_cpu else self.dtype)
-        # On CUDA, one-token steps replay a captured graph (cuda_graph.py) unless ``graphs`` is off.
-        self.graphs = cuda_graph.GraphedSteps(self) if graphs and not on_cpu else None
+        # On CUDA, one-token steps replay a captured graph (cuda_graph.py) unless ``graphs`` is off; Gemma 3's
+        # steps run eagerly (the captured step is the Llama layer's).
+        gemma = config.gelu or any(self.windows)
+        self.graphs = cuda_graph.GraphedSteps(self) if graphs and not on_cpu and not gemma else None
         self.step = None  # the C++ forward over the layers (Forward); None: the Python loop
         self.isa = ""
         if self.ops is fused.NATIVE and fused.attends(self.head_dim) and all(
                 isinstance(m, quant.BlockWeight) for layer in self.layers for m in layer.matrices()):
             self.isa = isa or blocks.isa()
-            self.step = fused.native_forward(self.layers, self.heads, self.kv_heads, self.eps, self.scale, self.isa)
+            self.step = fused.native_forward(self.layers, self.heads, self.kv_heads, self.eps, self.scale, self.isa,
+                                             config.windows, config.gelu)
+
+    def _rope_table(self, inv_freq: torch.Tensor, magnitude: float) -> torch.Tensor:
+        positions = torch.arange(self.context_length, dtype=torch.float32, device=self.device)
+        angles = torch.outer(positions, inv_freq.to(self.device))
+        return torch.view_as_real(torch.polar(torch.full_like(angles, magnitude), angles)).contiguous()
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings in the model's dtype, scaled there (Gemma), as transformers scales them."""
+        x = quant.dequantize(self.weights.embed, self.dtype, ids)
+        return x * torch.tensor(self.config.embed_scale, dtype=self.dtype) if self.config.embed_scale != 1.0 else x
 
     def label(self) -> str:
         forward = "C++ forward" if self.step is not None else "Python forward"
@@ -323,7 +400,7 @@ class LlamaRunner:
             return self._logits(self._hidden(token_ids, cache))
         n = len(token_ids)
         self._reserve(cache, n)
-        x = quant.dequantize(self.weights.embed, self.dtype, torch.tensor(token_ids, device=self.device))
+        x = self._embed(torch.tensor(token_ids, device=self.device))
         x = self._layers(x, cache, 0, exact=True)
         head = quant.dequantize(self.head, torch.float32)
         return F.linear(fused.REFERENCE.rms_norm(x, self.final_norm, self.eps, False), head).float()
@@ -353,7 +430,7 @@ class LlamaRunner:
             return self._hidden_many([(token_ids, cache)])
         n, start = len(token_ids), cache.length
         self._reserve(cache, start + n)
-        x = quant.dequantize(self.weights.embed, self.dtype, torch.tensor(token_ids, device=self.device))
+        x = self._embed(torch.tensor(token_ids, device=self.device))
         x = self._layers(x, cache, start)
         cache.length = start + n
         return x
@@ -364,9 +441,10 @@ class LlamaRunner:
         for (_, cache), start, n in zip(batch, starts, counts):
             self._reserve(cache, start + n)
         ids = torch.tensor([t for token_ids, _ in batch for t in token_ids], device=self.device)
-        x = quant.dequantize(self.weights.embed, self.dtype, ids)
-        freqs = torch.cat([self.rope[start : start + n] for start, n in zip(starts, counts)])
-        x = self.step.forward(x, [cache.kv for _, cache in batch], freqs, starts, counts)  # _layers in one C++ call
+        x = self._embed(ids)
+        freqs, local = ([None if table is None else torch.cat([table[start : start + n] for start, n in zip(starts, counts)])
+                         for table in (self.rope, self.local_rope)])
+        x = self.step.forward(x, [cache.kv for _, cache in batch], freqs, starts, counts, local)  # _layers in one C++ call
         for (_, cache), n in zip(batch, counts):
             cache.length += n
         return x
@@ -376,9 +454,12 @@ class LlamaRunner:
         matrices dequantized to fp32 for ``score``."""
         n, end = x.shape[0], start + x.shape[0]
         ops = self.ops if n == 1 and not exact else fused.REFERENCE
-        freqs = self.rope[start:end]
-        mask = causal_mask(start, n, self.heads // self.kv_heads, self.device) if n > 1 else None
+        groups = self.heads // self.kv_heads
+        masks = {window: causal_mask(start, n, groups, self.device, window) if n > 1 or window else None
+                 for window in set(self.windows)}
         for i, layer in enumerate(self.layers):
+            window = self.windows[i]
+            freqs = (self.local_rope if window and self.local_rope is not None else self.rope)[start:end]
             if exact:
                 layer = layer._replace(**{role: quant.dequantize(getattr(layer, role), torch.float32) for role in MATRICES})
             h = ops.rms_norm(x, layer.attn_norm, self.eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
@@ -388,10 +469,12 @@ class LlamaRunner:
             keys, values = cache.kv[i].unbind()  # [capacity, kv_heads, head_dim] each
             q = ops.rope_store(qkv, freqs, keys[start:end], values[start:end], self.heads, self.kv_heads,
                                layer.qk_norm, self.eps)
-            out = sdpa_attend(q, keys, values, start, self.scale, mask)
-            x = x + quant.linear(out, layer.wo)
+            out = quant.linear(sdpa_attend(q, keys, values, start, self.scale, masks[window]), layer.wo)
+            x = x + (out if layer.post_attn_norm is None else ops.rms_norm(out, layer.post_attn_norm, self.eps, False))
             h = ops.rms_norm(x, layer.ffn_norm, self.eps, quant.input_dtype(layer.w13) == torch.bfloat16)
-            x = x + quant.linear(ops.silu_mul(quant.linear(h, layer.w13)), layer.w2)
+            gate = ops.gelu_mul if self.config.gelu else ops.silu_mul
+            out = quant.linear(gate(quant.linear(h, layer.w13)), layer.w2)
+            x = x + (out if layer.post_ffn_norm is None else ops.rms_norm(out, layer.post_ffn_norm, self.eps, False))
         return x
 
 
@@ -402,10 +485,14 @@ def _whole_blocks(length: int) -> int:
     return -(-length // fused.KEY_BLOCK) * fused.KEY_BLOCK
 
 
-def causal_mask(start: int, n: int, groups: int, device: torch.device) -> torch.Tensor:
-    """Which positions 0 .. start + n - 1 each of n rows at start .. sees, for ``sdpa_attend``'s folded rows."""
+def causal_mask(start: int, n: int, groups: int, device: torch.device, window: int = 0) -> torch.Tensor:
+    """Which positions 0 .. start + n - 1 each of n rows at start .. sees, for ``sdpa_attend``'s folded rows:
+    all up to its own, or (``window``) the last ``window`` of them, its own included."""
     positions = torch.arange(start + n, device=device)
-    return (positions[None, :] <= positions[start:, None]).repeat(groups, 1)
+    seen = positions[None, :] <= positions[start:, None]
+    if window:
+        seen &= positions[None, :] > positions[start:, None] - window
+    return seen.repeat(groups, 1)
 
 
 def sdpa_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,

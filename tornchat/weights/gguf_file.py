@@ -16,7 +16,7 @@ import math
 import mmap
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,7 @@ from tornchat.engine import ggml
 
 log = logging.getLogger("tornchat.checkpoint")
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 
 
 class UnsupportedFile(Exception):
@@ -183,8 +183,7 @@ def config_of(file: GGUFFile) -> LlamaConfig:
     rope_dims = int(file.meta("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise UnsupportedFile(f"partial RoPE ({rope_dims} of {head_dim} dimensions) in {file.path.name}")
-    base = float(file.meta("rope.freq_base", 10000.0))
-    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv_freq = _inv_freq(float(file.meta("rope.freq_base", 10000.0)), head_dim)
     scaling = file.meta("rope.scaling.type", "none")
     if scaling == "linear":
         inv_freq = inv_freq / float(file.meta("rope.scaling.factor", 1.0))
@@ -192,10 +191,37 @@ def config_of(file: GGUFFile) -> LlamaConfig:
         raise UnsupportedFile(f"RoPE scaling {scaling!r} in {file.path.name}")
     if "rope_freqs.weight" in file.tensors:  # Llama 3.1+: per-frequency divisors
         inv_freq = inv_freq / ggml.dequantize(file.raw("rope_freqs.weight"), "F32").reshape(-1)
-    return LlamaConfig(
+    config = LlamaConfig(
         hidden=hidden, heads=heads, kv_heads=int(file.meta("attention.head_count_kv", heads)), head_dim=head_dim,
         eps=float(file.meta("attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=int(file.meta("context_length", 2048)), inv_freq=inv_freq,
+    )
+    return _gemma3_config(file, config) if file.arch == "gemma3" else config
+
+
+def _inv_freq(base: float, head_dim: int) -> torch.Tensor:
+    return 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+
+def _gemma3_config(file: GGUFFile, config: LlamaConfig) -> LlamaConfig:
+    """A gemma3 file's parts as llama.cpp reads them: windowed layers (all but every 6th, or the file's
+    attention.sliding_window_pattern) with RoPE base rope.freq_base_swa (10000) unscaled, the others with
+    rope.freq_base and its scaling; queries scaled by head_dim ** -0.5 (hidden / heads for the 62-layer 27B,
+    whose query_pre_attn_scalar that is); embeddings by sqrt(hidden); GELU gating. Norm weights are stored
+    with Gemma's + 1 already (llama.cpp's converter adds it)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if float(file.meta(key, 0.0)):
+            raise UnsupportedFile(f"{key.replace('_', ' ')} in {file.path.name} (Gemma 3 has none; not supported)")
+    layers, window = int(file.meta("block_count")), int(file.meta("attention.sliding_window", 0))
+    flags = file.array(f"{file.arch}.attention.sliding_window_pattern")
+    if flags is None:
+        pattern = int(file.meta("attention.sliding_window_pattern", 6))
+        flags = [pattern == 0 or i % pattern < pattern - 1 for i in range(layers)]
+    query_scalar = config.hidden // config.heads if layers == 62 else config.head_dim
+    return replace(
+        config, windows=tuple(window if window and flag else 0 for flag in flags),
+        local_inv_freq=_inv_freq(float(file.meta("rope.freq_base_swa", 10000.0)), config.head_dim),
+        attn_scale=query_scalar ** -0.5, embed_scale=config.hidden ** 0.5, gelu=True,
     )
 
 
@@ -207,8 +233,10 @@ def _check_shapes(file: GGUFFile, config: LlamaConfig, layers: int) -> None:
                 "attn_output.weight": (config.hidden, q), "ffn_gate.weight": (ffn, config.hidden),
                 "ffn_up.weight": (ffn, config.hidden), "ffn_down.weight": (config.hidden, ffn),
                 "attn_norm.weight": (1, config.hidden), "ffn_norm.weight": (1, config.hidden)}
-    if file.arch == "qwen3":
+    if file.arch in ("qwen3", "gemma3"):
         expected |= {"attn_q_norm.weight": (1, config.head_dim), "attn_k_norm.weight": (1, config.head_dim)}
+    if file.arch == "gemma3":
+        expected |= {"post_attention_norm.weight": (1, config.hidden), "post_ffw_norm.weight": (1, config.hidden)}
     for i in range(layers):
         for part, shape in expected.items():
             name = f"blk.{i}.{part}"
@@ -252,8 +280,8 @@ def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[Lla
     file = source if isinstance(source, GGUFFile) else GGUFFile(source)
     config = config_of(file)
     # llama.cpp stores Llama queries and keys with each head's rows in RoPE pairs already (its converter
-    # permutes them); Qwen2 and Qwen3 keep transformers' halves.
-    if file.arch in ("qwen2", "qwen3"):
+    # permutes them); Qwen2, Qwen3 and Gemma 3 keep transformers' halves.
+    if file.arch in ("qwen2", "qwen3", "gemma3"):
         q_rows = lambda raw: interleave_rope_rows(raw, config.heads)  # noqa: E731
         k_rows = lambda raw: interleave_rope_rows(raw, config.kv_heads)  # noqa: E731
     else:
@@ -282,6 +310,8 @@ def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[Lla
             qk_norm=qk_norms(_vector(file, blk + "attn_q_norm.weight", torch.float32),
                              _vector(file, blk + "attn_k_norm.weight", torch.float32)).to(vector_dtype)
             if blk + "attn_q_norm.weight" in file.tensors else None,
+            **({"post_attn_norm": _vector(file, blk + "post_attention_norm.weight", vector_dtype),
+                "post_ffn_norm": _vector(file, blk + "post_ffw_norm.weight", vector_dtype)} if file.arch == "gemma3" else {}),
         ))
     _check_type(file, "token_embd.weight")
     if "output.weight" not in file.tensors:  # tied: the head's rows are the embedding

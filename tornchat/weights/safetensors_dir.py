@@ -46,6 +46,11 @@ def load(directory: Path, hf_config, quantize: str) -> tuple[LlamaConfig, LlamaW
         t = tensors.get(name)
         return llama.interleave_rope_rows(t, heads) if heads else t
 
+    gemma = hf_config.model_type == "gemma3_text"
+
+    def norm(name: str) -> torch.Tensor:
+        return rows(name) + 1 if gemma else rows(name)  # Gemma's norms scale by 1 + weight
+
     layers = []
     for i in range(hf_config.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -54,20 +59,22 @@ def load(directory: Path, hf_config, quantize: str) -> tuple[LlamaConfig, LlamaW
             bias = torch.cat([rows(p + "self_attn.q_proj.bias", config.heads), rows(p + "self_attn.k_proj.bias", config.kv_heads),
                               rows(p + "self_attn.v_proj.bias")])
         layers.append(Layer(
-            attn_norm=rows(p + "input_layernorm.weight"),
+            attn_norm=norm(p + "input_layernorm.weight"),
             wqkv=pack(torch.cat([rows(p + "self_attn.q_proj.weight", config.heads),
                                        rows(p + "self_attn.k_proj.weight", config.kv_heads), rows(p + "self_attn.v_proj.weight")])),
             bqkv=bias,
             wo=pack(rows(p + "self_attn.o_proj.weight")),
-            ffn_norm=rows(p + "post_attention_layernorm.weight"),
+            ffn_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
             w13=pack(torch.cat([rows(p + "mlp.gate_proj.weight"), rows(p + "mlp.up_proj.weight")])),
             w2=pack(rows(p + "mlp.down_proj.weight")),
-            qk_norm=llama.qk_norms(rows(p + "self_attn.q_norm.weight"), rows(p + "self_attn.k_norm.weight"))
+            qk_norm=llama.qk_norms(norm(p + "self_attn.q_norm.weight"), norm(p + "self_attn.k_norm.weight"))
             if p + "self_attn.q_norm.weight" in tensors else None,
+            post_attn_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
+            post_ffn_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
         ))
     tied = "lm_head.weight" not in tensors or getattr(hf_config, "tie_word_embeddings", False)
     head = quant.to_blocks(rows("model.embed_tokens.weight" if tied else "lm_head.weight"), quantize, head=True)
     embed = head if tied else rows("model.embed_tokens.weight")  # the head's blocks give its rows back
-    weights = LlamaWeights(embed=embed, layers=layers, final_norm=rows("model.norm.weight"), head=head)
+    weights = LlamaWeights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), head=head)
     log.info("read %s layer by layer, packed, in %.1f s", directory, time.perf_counter() - started)
     return config, weights

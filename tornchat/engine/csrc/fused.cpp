@@ -173,34 +173,43 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor
   return rope_store_at<false>(qkv, freqs, qk_norm.value_or(at::Tensor()), eps, keys, values, 0, rows, heads, kv_heads);
 }
 
-template <typename T>
-void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
+// The gate's activation: SiLU, or GELU's tanh approximation (Gemma 3).
+template <bool GELU>
+inline float activation(float g) {
+  if constexpr (GELU) return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+  return g / (1.f + std::exp(-g));
+}
+
+template <bool GELU, typename T>
+void gated_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
   at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const T* gate = gate_up + r * 2 * width;
       const T* up = gate + width;
       T* y = out + r * width;
-      for (int64_t i = 0; i < width; ++i) {
-        const float g = to_float(gate[i]);
-        y[i] = static_cast<T>(g / (1.f + std::exp(-g)) * to_float(up[i]));
-      }
+      for (int64_t i = 0; i < width; ++i) y[i] = static_cast<T>(activation<GELU>(to_float(gate[i])) * to_float(up[i]));
     }
   });
 }
 
-// gate_up [rows, 2 * width] (gate then up) -> silu(gate) * up [rows, width], same dtype (fp32 or bf16).
-at::Tensor silu_mul(const at::Tensor& gate_up) {
+// gate_up [rows, 2 * width] (gate then up) -> act(gate) * up [rows, width], same dtype (fp32 or bf16); act is SiLU,
+// or with GELU the tanh approximation of GELU.
+template <bool GELU>
+at::Tensor gated(const at::Tensor& gate_up) {
   check_cpu_contiguous(gate_up, "gate_up");
   const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * width);
   auto out = at::empty({rows, width}, gate_up.options());
   if (gate_up.scalar_type() == at::kBFloat16)
-    silu_mul_rows(gate_up.data_ptr<BFloat16>(), out.data_ptr<BFloat16>(), rows, width);
+    gated_rows<GELU>(gate_up.data_ptr<BFloat16>(), out.data_ptr<BFloat16>(), rows, width);
   else if (gate_up.scalar_type() == at::kFloat)
-    silu_mul_rows(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, width);
+    gated_rows<GELU>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, width);
   else
-    TORCH_CHECK(false, "silu_mul takes fp32 or bf16");
+    TORCH_CHECK(false, "silu_mul and gelu_mul take fp32 or bf16");
   return out;
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return gated<false>(gate_up); }
+at::Tensor gelu_mul(const at::Tensor& gate_up) { return gated<true>(gate_up); }
 
 // Attention of n rows over the cache, computed so that row r of n gets the same bits whatever n is: each
 // row's scores, softmax and weighted sum depend only on its query and the positions 0 .. start + r it sees, in a
@@ -220,7 +229,8 @@ constexpr int TILE = 8;  // queries that share each load of keys and values: 2 T
 struct Query {
   const float* q;   // [head_dim]
   float* out;       // [head_dim]
-  int64_t seen;     // positions 0 .. seen - 1
+  int64_t seen;     // positions first .. seen - 1
+  int64_t first;    // 0, or past a sliding window's start
 };
 
 // 32 bf16 in (a, b) pairs -> the a's and the b's as fp32: bf16 is the top half of an fp32.
@@ -277,9 +287,9 @@ inline __attribute__((always_inline)) Vec value_one(const Kv* values, int64_t h,
 // scores[m * scores_stride + 16 b ..].
 template <int T, typename Kv>
 inline __attribute__((always_inline)) void score_tile(const Query* queries, const Kv* keys, int64_t block_stride,
-                                                      int64_t blocks, int64_t d, float scale, float* scores,
-                                                      int64_t scores_stride) {
-  for (int64_t b = 0; b < blocks; ++b) {
+                                                      int64_t first_block, int64_t blocks, int64_t d, float scale,
+                                                      float* scores, int64_t scores_stride) {
+  for (int64_t b = first_block; b < blocks; ++b) {
     const Kv* block = keys + b * block_stride;
     Vec even[T], odd[T];
     for (int m = 0; m < T; ++m) even[m] = odd[m] = Vec{};
@@ -299,23 +309,29 @@ inline __attribute__((always_inline)) void score_tile(const Query* queries, cons
   }
 }
 
-// Scores -> weights in place (zero past seen; lanes past it are selected away, never computed with: they may hold
-// anything, NaN included); returns 1 / the weights' total.
-inline __attribute__((always_inline)) float softmax_row(float* scores, int64_t seen) {
+// Scores of positions begin (a multiple of 16) .. seen - 1 -> weights in place (zero before first and past seen;
+// lanes there are selected away, never computed with: they may hold anything, NaN included); returns 1 / the
+// weights' total. The groups before first's add zeros and change no bit: a row's weights are the same whatever
+// begin its tile has.
+inline __attribute__((always_inline)) float softmax_row(float* scores, int64_t begin, int64_t first, int64_t seen) {
   const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const Vec lowest = Vec{} - INFINITY;
   Vec tops = lowest;
-  for (int64_t j = 0; j < seen; j += LANES) {
+  const auto inside = [&](int64_t j) {
+    const IntVec at = lane + static_cast<int32_t>(j);
+    return (at >= static_cast<int32_t>(first)) & (at < static_cast<int32_t>(seen));
+  };
+  for (int64_t j = begin; j < seen; j += LANES) {
     const Vec s = load(scores + j);
-    const Vec kept = (lane + static_cast<int32_t>(j)) < static_cast<int32_t>(seen) ? s : lowest;
+    const Vec kept = inside(j) ? s : lowest;
     tops = tops > kept ? tops : kept;
   }
   float top = tops[0];
   for (int l = 1; l < LANES; ++l) top = std::max(top, tops[l]);
   Vec totals = Vec{};
-  for (int64_t j = 0; j < seen; j += LANES) {
+  for (int64_t j = begin; j < seen; j += LANES) {
     const Vec e = exp_nonpositive(load(scores + j) - top);
-    const Vec kept = (lane + static_cast<int32_t>(j)) < static_cast<int32_t>(seen) ? e : Vec{};
+    const Vec kept = inside(j) ? e : Vec{};
     std::memcpy(scores + j, &kept, sizeof kept);
     totals += kept;
   }
@@ -328,18 +344,24 @@ template <int T, typename Kv>
 inline __attribute__((always_inline)) void attend_tile(const Query* queries, const Kv* keys, const Kv* values,
                                                        int64_t h, int64_t kv_heads, int64_t d, float scale,
                                                        float* scores) {
-  int64_t seen_max = 0, seen_min = queries[0].seen;
-  for (int m = 0; m < T; ++m) seen_max = std::max(seen_max, queries[m].seen), seen_min = std::min(seen_min, queries[m].seen);
+  int64_t seen_max = 0, seen_min = queries[0].seen, first_min = queries[0].first;
+  for (int m = 0; m < T; ++m) {
+    seen_max = std::max(seen_max, queries[m].seen), seen_min = std::min(seen_min, queries[m].seen);
+    first_min = std::min(first_min, queries[m].first);
+  }
   const int64_t blocks = (seen_max + KEY_BLOCK - 1) / KEY_BLOCK, width = blocks * KEY_BLOCK;
-  score_tile<T>(queries, keys, kv_heads * d * KEY_BLOCK, blocks, d, scale, scores, width);
+  const int64_t first_block = first_min / KEY_BLOCK;
+  score_tile<T>(queries, keys, kv_heads * d * KEY_BLOCK, first_block, blocks, d, scale, scores, width);
   float inverse[T];
-  for (int m = 0; m < T; ++m) inverse[m] = softmax_row(scores + m * width, queries[m].seen);
+  for (int m = 0; m < T; ++m)
+    inverse[m] = softmax_row(scores + m * width, first_block * KEY_BLOCK, queries[m].first, queries[m].seen);
   // Positions all T see, two at a time (the even and odd sums), sharing each value load; then each query's own.
+  // A query whose window starts later has zero weights at the positions before it: adding them changes no bit.
   const int64_t shared = seen_min / 2 * 2;
   for (int64_t c = 0; c < d / LANES; ++c) {
     Vec even[T], odd[T];
     for (int m = 0; m < T; ++m) even[m] = odd[m] = Vec{};
-    for (int64_t j = 0; j < shared; j += 2) {
+    for (int64_t j = first_min / 2 * 2; j < shared; j += 2) {
       prefetch_value(values, h, kv_heads, d, j + VALUE_AHEAD, c);
       Vec v0, v1;
       value_pair(values, h, kv_heads, d, j, c, v0, v1);
@@ -398,9 +420,11 @@ void attend_tiles_bf16(const Query* queries, int64_t count, const BFloat16* keys
 // at positions starts[s] .. over its own cache, keys[s] and values[s] (one layer's, in the forward's layout:
 // key_at, value_at, [capacity, kv_heads, head_dim], fp32 or bf16 alike). q [rows, heads, head_dim] (fp32 or bf16).
 // Returns fp32 [rows, heads * head_dim]: each row attended over its sequence's positions up to its own,
-// softmax(scale * q . k) v, as fused.attend_ref computes it, the same bits whatever else is in the call.
+// softmax(scale * q . k) v, as fused.attend_ref computes it, the same bits whatever else is in the call. window: 0,
+// or how many positions, its own included, a row sees (the last ones: a sliding-window layer).
 at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                       const std::vector<int64_t>& starts, const std::vector<int64_t>& counts, double scale) {
+                       const std::vector<int64_t>& starts, const std::vector<int64_t>& counts, double scale,
+                       int64_t window) {
   RECORD_FUNCTION("tornchat::attend", std::vector<c10::IValue>());  // for torch.profiler (bench/decode_speed.py)
   const size_t seqs = keys.size();
   TORCH_CHECK(values.size() == seqs && starts.size() == seqs && counts.size() == seqs, "one cache, start and count per sequence");
@@ -442,7 +466,9 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
       Query tile[TILE];
       for (int64_t m = 0; m < count; ++m) {
         const int64_t r = (m0 + m) / groups, head = h * groups + (m0 + m) % groups, row = first_row[s] + r;
-        tile[m] = Query{qp + (row * heads + head) * d, op + (row * heads + head) * d, starts[s] + r + 1};
+        const int64_t seen = starts[s] + r + 1;
+        tile[m] = Query{qp + (row * heads + head) * d, op + (row * heads + head) * d, seen,
+                        window ? std::max<int64_t>(0, seen - window) : 0};
       }
       if (bf16)
         attend_tiles_bf16(tile, count, keys[s].data_ptr<BFloat16>() + h * d * KEY_BLOCK, values[s].data_ptr<BFloat16>(),
@@ -456,8 +482,9 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
 }
 
 // One sequence: q [n, heads, head_dim] at positions start .. over keys and values (attend_many).
-at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale) {
-  return attend_many(q, {keys}, {values}, {start}, {q.size(0)}, scale);
+at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale,
+                  int64_t window) {
+  return attend_many(q, {keys}, {values}, {start}, {q.size(0)}, scale, window);
 }
 
 // A projection: its weights' parts in their GGML types (blocks.h), each row computed as if alone.
@@ -472,6 +499,10 @@ struct Linear {
 struct Layer {
   at::Tensor attn_norm, ffn_norm, bqkv, qk_norm;  // bqkv, qk_norm: empty where the model has none
   Linear wqkv, wo, w13, w2;
+  // Gemma 3 (Forward::gemma): norms of the attention's and the MLP's outputs (or empty), and the attention window
+  // (0: none), whose layers take the second RoPE table
+  at::Tensor post_attn_norm, post_ffn_norm;
+  int64_t window = 0;
 };
 
 // The lean forward through every layer in one call, the Python loop of llama.LlamaRunner._layers without its
@@ -497,13 +528,27 @@ class Forward {
     }
   }
 
+  // Gemma 3's parts: per layer post_attn_norm and post_ffn_norm (or empty) in norms, its attention window in
+  // windows (0: none); gelu: GELU (tanh) gating instead of SiLU.
+  void gemma(const std::vector<at::Tensor>& norms, const std::vector<int64_t>& windows, bool gelu) {
+    TORCH_CHECK(norms.size() == 2 * layers_.size() && windows.size() == layers_.size(),
+                "2 norms and a window per layer");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      layers_[i].post_attn_norm = norms[2 * i], layers_[i].post_ffn_norm = norms[2 * i + 1];
+      layers_[i].window = windows[i];
+    }
+    gelu_ = gelu;
+  }
+
   // x [rows, hidden] fp32, the tokens' embeddings: sequence s's counts[s] rows, one after another, at positions
   // starts[s] .. of its cache kvs[s] [layers, 2, capacity, kv_heads, head_dim]; freqs [rows, head_dim / 2, 2]
-  // of each row's position. Writes the tokens' keys and values into their caches; returns x after the layers.
+  // of each row's position, local_freqs (or none) the same from the windowed layers' table. Writes the tokens'
+  // keys and values into their caches; returns x after the layers.
   // Rows meet only in the matrix products, which compute each row by itself: a sequence gets the same bits
   // batched with others as alone.
   at::Tensor forward(at::Tensor x, const std::vector<at::Tensor>& kvs, const at::Tensor& freqs,
-                     const std::vector<int64_t>& starts, const std::vector<int64_t>& counts) const {
+                     const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
+                     const std::optional<at::Tensor>& local_freqs) const {
     const size_t seqs = kvs.size();
     TORCH_CHECK(seqs > 0 && starts.size() == seqs && counts.size() == seqs, "one cache, start and count per sequence");
     int64_t total = 0;
@@ -513,20 +558,25 @@ class Forward {
       total += counts[s];
     }
     TORCH_CHECK(x.size(0) == total && freqs.size(0) == total, "x and freqs must have the sequences' rows");
+    TORCH_CHECK(!local_freqs || local_freqs->sizes() == freqs.sizes(), "local_freqs must be freqs' shape");
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
+      const at::Tensor& table = layer.window && local_freqs ? *local_freqs : freqs;
       auto qkv = layer.wqkv(rms_norm(x, layer.attn_norm, eps_, false));
       if (layer.bqkv.numel()) qkv = qkv + layer.bqkv;
       qkv = qkv.contiguous();
       std::vector<at::Tensor> keys(seqs), values(seqs), queries(seqs);
       for (size_t s = 0, row = 0; s < seqs; row += counts[s], ++s) {
         keys[s] = kvs[s].select(0, i).select(0, 0), values[s] = kvs[s].select(0, i).select(0, 1);
-        queries[s] = rope_store_at<true>(qkv.narrow(0, row, counts[s]), freqs.narrow(0, row, counts[s]), layer.qk_norm,
+        queries[s] = rope_store_at<true>(qkv.narrow(0, row, counts[s]), table.narrow(0, row, counts[s]), layer.qk_norm,
                                          eps_, keys[s], values[s], starts[s], counts[s], heads_, kv_heads_);
       }
       const auto q = seqs == 1 ? queries[0] : at::cat(queries);
-      x = x + layer.wo(attend_many(q, keys, values, starts, counts, scale_));
-      x = x + layer.w2(silu_mul(layer.w13(rms_norm(x, layer.ffn_norm, eps_, false))));
+      auto out = layer.wo(attend_many(q, keys, values, starts, counts, scale_, layer.window));
+      x = x + (layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out);
+      const auto h = layer.w13(rms_norm(x, layer.ffn_norm, eps_, false));
+      out = layer.w2(gelu_ ? gelu_mul(h) : silu_mul(h));
+      x = x + (layer.post_ffn_norm.numel() ? rms_norm(out, layer.post_ffn_norm, eps_, false) : out);
     }
     return x;
   }
@@ -535,6 +585,7 @@ class Forward {
   std::vector<Layer> layers_;
   int64_t heads_, kv_heads_;
   double eps_, scale_;
+  bool gelu_ = false;
 };
 
 }  // namespace
@@ -546,12 +597,18 @@ PYBIND11_MODULE(_fused, m) {
         pybind11::arg("values"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("qk_norm") = pybind11::none(),
         pybind11::arg("eps") = 0.0);
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("attend", &attend, "causal attention of n rows over a cache in the forward's layout, each row as if alone");
+  m.def("gelu_mul", &gelu_mul, "gelu_tanh(gate) * up");
+  m.def("attend", &attend, "causal attention of n rows over a cache in the forward's layout, each row as if alone",
+        pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("start"),
+        pybind11::arg("scale"), pybind11::arg("window") = 0);
   tornchat::define_blocks(m);
   pybind11::class_<Forward>(m, "Forward")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<std::vector<at::Tensor>>&,
                           const std::vector<std::vector<int64_t>>&, int64_t, int64_t, double, double,
                           const std::string&>())
       // Without the GIL: the server's IOLoop thread keeps answering and streaming during a step.
-      .def("forward", &Forward::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("gemma", &Forward::gemma)
+      .def("forward", &Forward::forward, pybind11::arg("x"), pybind11::arg("kvs"), pybind11::arg("freqs"),
+           pybind11::arg("starts"), pybind11::arg("counts"), pybind11::arg("local_freqs") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }
