@@ -46,15 +46,21 @@ def file_values(array: np.ndarray, type_name: str) -> np.ndarray:
     return gguf.quants.dequantize(array, gguf.GGMLQuantizationType[type_name]).astype(np.float32)
 
 
+EXPERTS, EXPERTS_USED = 8, 3  # a Qwen3 MoE file's
+
+
 def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 2, hidden: int = 256, ffn: int = 512,
           heads: int = 4, kv_heads: int = 2, tied: bool = True, seed: int = 0, tokenizer: bool = False,
           head_dim: int | None = None) -> Path:
     """A model file: ``types`` maps a tensor's role (q, k, v, o, gate, up, down, embed, output) to its type;
     roles not given are F32. Qwen2 files get q/k/v biases, Qwen3 files per-head q/k norms (and ``head_dim``, if
-    given, is written as the key length, heads times it need not be ``hidden``). With ``tokenizer``, the embedded model's
+    given, is written as the key length, heads times it need not be ``hidden``). Qwen3 MoE files have Qwen3's
+    attention and EXPERTS experts of ``ffn`` features per layer (gate, up and down: 3-D tensors), EXPERTS_USED of
+    them per token, and an F32 router. With ``tokenizer``, the embedded model's
     tokenizer and its vocabulary; without, a 512-token vocabulary and no tokenizer (faster to read).
     Broken files for the error tests: ``types["missing"]`` names a tensor or metadata key left out,
-    ``types["heads"]`` a head count written into the metadata that the tensors do not have."""
+    ``types["heads"]`` a head count written into the metadata that the tensors do not have,
+    ``types["shared_experts"]`` an expert_shared_count written into a Qwen3 MoE file."""
     rng = np.random.default_rng(seed)
     embedded = gguf.GGUFReader(default_gguf_path()) if tokenizer else None
     vocab = int(embedded.fields["llama.vocab_size"].contents()) if tokenizer else 512
@@ -66,6 +72,12 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
         if f"{arch}.{key}" != missing:
             writer.add_uint32(f"{arch}.{key}", value)
     writer.add_uint32(f"{arch}.attention.head_count_kv", kv_heads)
+    moe = arch == "qwen3moe"
+    if moe:
+        for key, value in (("expert_count", EXPERTS), ("expert_used_count", EXPERTS_USED), ("expert_feed_forward_length", ffn),
+                           ("expert_shared_count", int(types.get("shared_experts", 0)))):
+            if f"{arch}.{key}" != missing:
+                writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_uint32(f"{arch}.vocab_size", vocab)
@@ -76,11 +88,14 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
         writer.add_uint32(f"{arch}.attention.value_length", head_dim)
     head_dim = head_dim or hidden // heads
 
-    def add(name: str, role: str, rows: int, cols: int):
+    def add(name: str, role: str, rows: int, cols: int, experts: int = 1):
+        """A matrix [rows, cols], or with ``experts`` a 3-D tensor of that many [rows, cols] matrices."""
         if name == missing:
             return
         type_name = types.get(role, "F32")
-        array = random_tensor(rng, type_name, rows, cols)
+        array = random_tensor(rng, type_name, experts * rows, cols)
+        if experts > 1:
+            array = array.reshape(experts, rows, -1)
         raw_dtype = None if array.dtype != np.uint8 else gguf.GGMLQuantizationType[type_name]
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
 
@@ -93,14 +108,17 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
         if arch == "qwen2":
             for part, size in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
                 writer.add_tensor(f"blk.{i}.attn_{part}.bias", rng.normal(0, 0.5, size * head_dim).astype(np.float32))
-        if arch == "qwen3":
+        if arch in ("qwen3", "qwen3moe"):
             for part in "qk":
                 writer.add_tensor(f"blk.{i}.attn_{part}_norm.weight", rng.uniform(0.5, 1.5, head_dim).astype(np.float32))
         add(f"blk.{i}.attn_output.weight", "o", hidden, heads * head_dim)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
-        add(f"blk.{i}.ffn_gate.weight", "gate", ffn, hidden)
-        add(f"blk.{i}.ffn_up.weight", "up", ffn, hidden)
-        add(f"blk.{i}.ffn_down.weight", "down", hidden, ffn)
+        if moe:
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", rng.normal(0, 0.5, (EXPERTS, hidden)).astype(np.float32))
+        suffix, experts = ("_exps", EXPERTS) if moe else ("", 1)
+        add(f"blk.{i}.ffn_gate{suffix}.weight", "gate", ffn, hidden, experts)
+        add(f"blk.{i}.ffn_up{suffix}.weight", "up", ffn, hidden, experts)
+        add(f"blk.{i}.ffn_down{suffix}.weight", "down", hidden, ffn, experts)
     writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
     if not tied:
         add("output.weight", "output", vocab, hidden)

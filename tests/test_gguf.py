@@ -45,10 +45,10 @@ def test_the_header_reader_agrees_with_the_gguf_package(tmp_path):
     assert ours.array("tokenizer.ggml.scores") is None  # a byte-level vocabulary has none
 
 
-def hf_logits(path, ids):
+def hf_logits(path, ids, **config):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **config).eval()
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0]
 
@@ -64,13 +64,16 @@ MIXES = {
 
 
 @pytest.mark.parametrize("arch, mix, tied", [("llama", name, True) for name in MIXES] + [("llama", "q4_k_m", False),
-                                             ("qwen2", "q4_0", True), ("qwen3", "q4_k_m", True)])
+                                             ("qwen2", "q4_0", True), ("qwen3", "q4_k_m", True),
+                                             ("qwen3moe", "q4_k_m", True), ("qwen3moe", "q4_1+q5_1", True)])
 def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, arch, mix, tied):
     types = MIXES[mix] | ({"output": "Q6_K"} if not tied else {})
+    moe = arch == "qwen3moe"
     # Qwen3's heads times head_dim is not its hidden size (0.6B: 16 x 128 over 1024)
     path = gguf_files.write(tmp_path / f"{arch}-{mix}.gguf", types, arch=arch, tied=tied,
-                            head_dim=128 if arch == "qwen3" else None)
-    expected = hf_logits(path, IDS)
+                            head_dim=128 if arch.startswith("qwen3") else None, ffn=256 if moe else 512)
+    # transformers reads no expert_feed_forward_length from a GGUF
+    expected = hf_logits(path, IDS, **({"moe_intermediate_size": 256} if moe else {}))
     config, plain = gguf_file.load(path, plain=torch.float32)  # the file's values, dequantized
     torch.testing.assert_close(llama.LlamaRunner(config, plain, kv_dtype=torch.float32).score(IDS, "exact"), expected,
                                atol=2e-4, rtol=1e-3)
@@ -79,7 +82,12 @@ def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, 
     in_blocks = llama.LlamaRunner(config, weights, kv_dtype=torch.float32)
     assert all(isinstance(m, quant.BlockWeight) for layer in weights.layers for m in layer.matrices())
     assert weights.layers[0].wqkv.types == (types["q"], types["k"], types["v"])  # stacked as the file has them
-    assert weights.layers[0].w2.types == (types["down"],)
+    down = weights.layers[0].moe.w2[0] if moe else weights.layers[0].w2
+    assert down.types == (types["down"],)
+    if moe:  # each expert's matrices are consecutive row ranges of the file's mapped tensors, not copies
+        gates = [w13.parts[0] for w13 in weights.layers[0].moe.w13]
+        assert len(gates) == gguf_files.EXPERTS and weights.layers[0].moe.top_k == gguf_files.EXPERTS_USED
+        assert all(b.data_ptr() == a.data_ptr() + a.nbytes for a, b in zip(gates, gates[1:]))
     assert (weights.embed is weights.head) == tied and isinstance(weights.embed, quant.BlockWeight)
     # The kernels compute on the file's values with activations rounded to int8 per block of 32 (the float
     # types on fp32 activations): against fp32 products of the same values, that rounding alone.
@@ -97,6 +105,9 @@ def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, 
     ("llama", {"missing": "blk.1.ffn_up.weight"}, r"has no tensor blk.1.ffn_up.weight"),
     ("llama", {"missing": "llama.embedding_length"}, r"lacks the metadata key llama.embedding_length"),
     ("llama", {"heads": "8"}, r"attn_k.weight in m.gguf is 128 x 256, not the 64 x 256"),  # tensors that do not fit
+    ("qwen3moe", {"shared_experts": "1"}, "shared experts in m.gguf are not supported"),
+    ("qwen3moe", {"missing": "qwen3moe.expert_used_count"}, r"lacks the metadata key qwen3moe.expert_used_count"),
+    ("qwen3moe", {"missing": "blk.1.ffn_down_exps.weight"}, r"has no tensor blk.1.ffn_down_exps.weight"),
 ])
 def test_what_it_does_not_read_fails_with_one_line(tmp_path, arch, types, message, monkeypatch):
     if "Q2_K" in types.values():  # gguf's writer takes raw blocks of any type; ours has no random Q2_K
@@ -143,4 +154,20 @@ def test_a_hf_checkpoint_is_packed_layer_by_layer_as_it_is_read(tiny_checkpoint,
     assert weights.embed is weights.head  # tied: the head's blocks give the embedding's rows, one copy
     reference_config, plain = llama.from_transformers(tiny_model)  # the same weights, packed from the model
     expected = llama.LlamaRunner(reference_config, llama.pack(plain, mode))
+    assert torch.equal(llama.LlamaRunner(config, weights).score(IDS), expected.score(IDS))
+
+
+def test_a_mixture_of_experts_checkpoint_is_packed_expert_by_expert(tiny_qwen3_moe, tokenizer, tmp_path):
+    """--quantize int8 on a Qwen3 MoE safetensors directory (each expert's matrices stored apart, as transformers
+    saves them): the same blocks as packing the loaded model's, and the router left in fp32."""
+    tiny_qwen3_moe.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = checkpoint.load(str(tmp_path), model_impl="auto", quantize="int8")
+    assert loaded.model is None and loaded.packed
+    config, weights = loaded.lean
+    moe = weights.layers[1].moe
+    assert weights.layers[1].w13 is None and len(moe.w13) == 8 and moe.top_k == 3 and moe.norm_top_k
+    assert moe.w13[0].types == ("Q8_0",) and moe.router.dtype == torch.float32
+    reference_config, plain = llama.from_transformers(tiny_qwen3_moe)
+    expected = llama.LlamaRunner(reference_config, llama.pack(plain, "int8"))
     assert torch.equal(llama.LlamaRunner(config, weights).score(IDS), expected.score(IDS))
