@@ -24,8 +24,14 @@ what it writes.
 Prints the path of each file it wrote. Presets: 135m (the embedded model's
 shape), 1b (Llama-3.2-1B-like), 3b (Llama-3.2-3B-like), qwen3-0.6b and
 qwen3-4b (Qwen3's shapes: architecture qwen3, per-head q/k norms, head_dim
-128; still the embedded model's tokenizer); --layers, --hidden, --ffn,
---heads, --kv-heads, --context-length and --rope-theta override them.
+128; still the embedded model's tokenizer), qwen3moe-3b (Qwen3-30B-A3B's
+structure at 3B: architecture qwen3moe, hidden 2048, 32 heads over 4 KV
+heads of 128, 24 layers each a mixture of 64 experts of 256 features, 8 of
+them per token; 2.97B parameters, 0.86B active per token with the
+embedding, 0.76B without; the router kept F32 as llama.cpp's quantizer
+keeps it); --layers, --hidden, --ffn (an expert's, with experts),
+--heads, --kv-heads, --context-length, --rope-theta, --experts and
+--experts-used override them.
 """
 import argparse
 import ctypes
@@ -52,8 +58,10 @@ class Shape:
     context_length: int = 8192
     rope_theta: float = 100000.0
     rms_eps: float = 1e-5
-    arch: str = "llama"  # or "qwen3": per-head q/k norms
+    arch: str = "llama"  # or "qwen3": per-head q/k norms; "qwen3moe": those and a mixture of experts
     key_length: int | None = None  # head_dim where heads * head_dim is not hidden (Qwen3)
+    experts: int = 0  # qwen3moe: experts per layer (each of ffn features), experts_used of them per token
+    experts_used: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -68,9 +76,12 @@ PRESETS = {
                         rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3", key_length=128),
     "qwen3-4b": Shape(layers=36, hidden=2560, ffn=9728, heads=32, kv_heads=8, context_length=40960,
                       rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3", key_length=128),
+    # Qwen3-30B-A3B (48 layers, 128 experts of 768) with half the layers, half the experts, a third of each
+    "qwen3moe-3b": Shape(layers=24, hidden=2048, ffn=256, heads=32, kv_heads=4, context_length=40960,
+                         rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3moe", key_length=128, experts=64, experts_used=8),
 }
 # Shape fields a command-line flag of the same name (--kv-heads for kv_heads) overrides.
-OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "context_length", "rope_theta")
+OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "context_length", "rope_theta", "experts", "experts_used")
 
 
 def tokenizer_fields(reader: gguf.GGUFReader) -> list[tuple]:
@@ -86,9 +97,16 @@ def tokenizer_fields(reader: gguf.GGUFReader) -> list[tuple]:
 
 
 def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Tensor names and numpy shapes (out_features, in_features) as llama.cpp's llama loader expects them."""
+    """Tensor names and numpy shapes (out_features, in_features) as llama.cpp's llama loader expects them; a mixture
+    of experts' matrices (experts, out_features, in_features)."""
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     plan = [("token_embd.weight", (vocab, shape.hidden))]
+    if shape.experts:
+        mlp = [("ffn_gate_inp", (shape.experts, shape.hidden)), ("ffn_gate_exps", (shape.experts, shape.ffn, shape.hidden)),
+               ("ffn_up_exps", (shape.experts, shape.ffn, shape.hidden)), ("ffn_down_exps", (shape.experts, shape.hidden, shape.ffn))]
+    else:
+        mlp = [("ffn_gate", (shape.ffn, shape.hidden)), ("ffn_up", (shape.ffn, shape.hidden)),
+               ("ffn_down", (shape.hidden, shape.ffn))]
     for n in range(shape.layers):
         plan += [
             (f"blk.{n}.attn_norm.weight", (shape.hidden,)),
@@ -96,12 +114,10 @@ def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
             (f"blk.{n}.attn_k.weight", (kv_dim, shape.hidden)),
             (f"blk.{n}.attn_v.weight", (kv_dim, shape.hidden)),
             *([(f"blk.{n}.attn_q_norm.weight", (shape.head_dim,)), (f"blk.{n}.attn_k_norm.weight", (shape.head_dim,))]
-              if shape.arch == "qwen3" else []),
+              if shape.arch in ("qwen3", "qwen3moe") else []),
             (f"blk.{n}.attn_output.weight", (shape.hidden, q_dim)),
             (f"blk.{n}.ffn_norm.weight", (shape.hidden,)),
-            (f"blk.{n}.ffn_gate.weight", (shape.ffn, shape.hidden)),
-            (f"blk.{n}.ffn_up.weight", (shape.ffn, shape.hidden)),
-            (f"blk.{n}.ffn_down.weight", (shape.hidden, shape.ffn)),
+            *((f"blk.{n}.{role}.weight", dims) for role, dims in mlp),
         ]
     plan.append(("output_norm.weight", (shape.hidden,)))
     return plan
@@ -127,13 +143,18 @@ def write_f16(path: Path, name: str, shape: Shape, source: Path, seed: int, std:
     if shape.key_length:
         writer.add_key_length(shape.key_length)
         writer.add_value_length(shape.key_length)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.ffn)
     for key, value, vtype, sub_type in tokenizer_fields(reader):
         writer.add_key_value(key, value, vtype, sub_type)
     del reader
 
-    # Norm weights are 1-D and llama.cpp keeps them F32 in every quant type.
+    # Norm weights are 1-D and llama.cpp keeps them F32 in every quant type, as it keeps the experts' router
+    # (llama-quantize leaves ffn_gate_inp in the type it finds, and llama.cpp's converter writes it F32).
     plan = [
-        (tensor_name, dims, np.dtype(np.float32 if len(dims) == 1 else np.float16))
+        (tensor_name, dims, np.dtype(np.float32 if len(dims) == 1 or "ffn_gate_inp" in tensor_name else np.float16))
         for tensor_name, dims in tensor_plan(shape, vocab)
     ]
     for tensor_name, dims, dtype in plan:
@@ -150,7 +171,7 @@ def write_f16(path: Path, name: str, shape: Shape, source: Path, seed: int, std:
         else:
             data = rng.standard_normal(dims, dtype=np.float32)
             data *= std
-            data = data.astype(np.float16)
+            data = data.astype(dtype)
         writer.write_tensor_data(data)
         del data
     writer.close()
@@ -201,6 +222,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int)
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--rope-theta", type=float)
+    parser.add_argument("--experts", type=int)
+    parser.add_argument("--experts-used", type=int)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--std", type=float, default=0.02, help="std of the random normal weights; norms are 1")
     parser.add_argument("--threads", type=int, default=0, help="quantizer threads (0: all cores)")
