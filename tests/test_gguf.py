@@ -171,3 +171,23 @@ def test_a_mixture_of_experts_checkpoint_is_packed_expert_by_expert(tiny_qwen3_m
     reference_config, plain = llama.from_transformers(tiny_qwen3_moe)
     expected = llama.LlamaRunner(reference_config, llama.pack(plain, "int8"))
     assert torch.equal(llama.LlamaRunner(config, weights).score(IDS), expected.score(IDS))
+
+
+def test_the_qwen3moe_preset_writes_what_transformers_and_our_loader_read_alike(tmp_path):
+    """bench/make_gguf.py's qwen3moe-3b shape, shrunk: its 3-D expert tensors and F32 router in the layout
+    transformers' GGUF reader and ours agree on."""
+    import dataclasses
+
+    import make_gguf
+
+    shape = dataclasses.replace(make_gguf.PRESETS["qwen3moe-3b"], layers=2, hidden=256, heads=4, kv_heads=2, experts=4,
+                                experts_used=2, context_length=512)
+    path = tmp_path / "moe.gguf"
+    make_gguf.write_f16(path, "moe", shape, checkpoint.default_gguf_path(), seed=0, std=0.1)
+    config, weights = gguf_file.load(path)
+    moe = weights.layers[1].moe
+    assert len(moe.w13) == 4 and moe.top_k == 2 and moe.w13[0].shape == (2 * 256, 256) and moe.w2[0].shape == (256, 256)
+    assert gguf_file.GGUFFile(path).tensors["blk.0.ffn_gate_inp.weight"].type_name == "F32"
+    expected = hf_logits(path, IDS, moe_intermediate_size=256)
+    got = llama.LlamaRunner(config, weights, kv_dtype=torch.float32).score(IDS, "exact")
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)
