@@ -312,6 +312,11 @@ def test_a_step_reads_only_the_experts_its_router_chose(tiny_qwen3_moe, monkeypa
     other = unread.forward([8], runner.fork(cache, cache.length), decode=True)
     assert not torch.equal(other, runner.forward([8], runner.fork(cache, cache.length), decode=True))
 
+    def size(w):
+        return sum(p.numel() for p in w.parts)
+    layer = runner.layers[0]  # what a step reads, for the benchmarks' bandwidth figures: 3 experts of 8
+    assert layer.step_bytes(size) == size(layer.wqkv) + size(layer.wo) + 3 * (size(layer.moe.w13[0]) + size(layer.moe.w2[0]))
+
 
 def test_a_config_the_lean_forward_does_not_run_is_named_in_one_line():
     from transformers import Qwen2MoeConfig, Qwen3MoeConfig

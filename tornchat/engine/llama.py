@@ -64,6 +64,14 @@ class Layer(NamedTuple):
         packed = self._replace(**{role: pack(getattr(self, role)) for role in MATRICES if getattr(self, role) is not None})
         return packed._replace(moe=self.moe.packed(pack)) if self.moe is not None else packed
 
+    def step_bytes(self, nbytes) -> float:
+        """What a decode step reads of this layer's matrices (``nbytes`` of each): every dense one, and top_k of
+        the experts, all of one size."""
+        dense = sum(nbytes(m) for m in self._replace(moe=None).matrices())
+        if self.moe is None:
+            return dense
+        return dense + sum(nbytes(m) for m in self.moe.matrices()) * self.moe.top_k / len(self.moe.w13)
+
     def mlp_input(self) -> quant.Weight:
         """The first matrix the MLP's input meets, whose ``quant.input_dtype`` the norm before it rounds to."""
         return self.w13 if self.moe is None else self.moe.w13[0]
