@@ -60,7 +60,8 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
     tokenizer and its vocabulary; without, a 512-token vocabulary and no tokenizer (faster to read).
     Broken files for the error tests: ``types["missing"]`` names a tensor or metadata key left out,
     ``types["heads"]`` a head count written into the metadata that the tensors do not have,
-    ``types["shared_experts"]`` an expert_shared_count written into a Qwen3 MoE file."""
+    ``types["shared_experts"]`` an expert_shared_count and ``types["gating"]`` an expert_gating_func written into
+    a Qwen3 MoE file."""
     rng = np.random.default_rng(seed)
     embedded = gguf.GGUFReader(default_gguf_path()) if tokenizer else None
     vocab = int(embedded.fields["llama.vocab_size"].contents()) if tokenizer else 512
@@ -78,6 +79,8 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
                            ("expert_shared_count", int(types.get("shared_experts", 0)))):
             if f"{arch}.{key}" != missing:
                 writer.add_uint32(f"{arch}.{key}", value)
+        if "gating" in types:
+            writer.add_uint32(f"{arch}.expert_gating_func", int(types["gating"]))
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_uint32(f"{arch}.vocab_size", vocab)

@@ -106,6 +106,7 @@ def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, 
     ("llama", {"missing": "llama.embedding_length"}, r"lacks the metadata key llama.embedding_length"),
     ("llama", {"heads": "8"}, r"attn_k.weight in m.gguf is 128 x 256, not the 64 x 256"),  # tensors that do not fit
     ("qwen3moe", {"shared_experts": "1"}, "shared experts in m.gguf are not supported"),
+    ("qwen3moe", {"gating": "2"}, r"expert gating function 2 in m.gguf \(only softmax, 1, is supported\)"),  # sigmoid
     ("qwen3moe", {"missing": "qwen3moe.expert_used_count"}, r"lacks the metadata key qwen3moe.expert_used_count"),
     ("qwen3moe", {"missing": "blk.1.ffn_down_exps.weight"}, r"has no tensor blk.1.ffn_down_exps.weight"),
 ])
