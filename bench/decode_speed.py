@@ -117,12 +117,13 @@ def read_bandwidth() -> float:
 
 
 def bytes_per_token(runner, context: int) -> int:
-    """What a decode step reads at this context: every layer matrix and the head once, and the KV cache."""
+    """What a decode step reads at this context: every layer matrix (of a mixture of experts, the chosen ones)
+    and the head once, and the KV cache."""
     def nbytes(w) -> int:
         if isinstance(w, quant.BlockWeight):
             return sum(p.numel() for p in w.parts)
         return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
-    weights = sum(nbytes(m) for layer in runner.layers for m in layer.matrices()) + nbytes(runner.head)
+    weights = int(sum(layer.step_bytes(nbytes) for layer in runner.layers)) + nbytes(runner.head)
     kv = len(runner.layers) * 2 * context * runner.kv_heads * runner.head_dim * runner.kv_dtype.itemsize
     return weights + kv
 

@@ -70,9 +70,9 @@ def storage_bytes(w) -> int:
 
 
 def weight_bytes(runner) -> int:
-    """What a decode step reads of the weights: every layer matrix, the norms, the head."""
-    matrices = [m for layer in runner.layers for m in layer.matrices()] + [runner.head]
-    return sum(storage_bytes(m) for m in matrices)
+    """What a decode step reads of the weights: every layer matrix (of a mixture of experts, the chosen ones), the
+    head."""
+    return int(sum(layer.step_bytes(storage_bytes) for layer in runner.layers)) + storage_bytes(runner.head)
 
 
 def decode_rate(runner, steps: int) -> tuple[float, int]:

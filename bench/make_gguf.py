@@ -29,8 +29,13 @@ architecture gemma3, sliding-window layers of 512 positions, post-attention
 and post-MLP norms, head_dim 256; the embedded model's tokens padded with
 <unusedN> to Gemma's 262,144, so that the embedding and the head have their
 real size, plus <bos>, <start_of_turn> and <end_of_turn> and Gemma's chat
-template); --layers, --hidden, --ffn, --heads, --kv-heads, --context-length
-and --rope-theta override them.
+template), qwen3moe-3b (Qwen3-30B-A3B's structure at 3B: architecture
+qwen3moe, hidden 2048, 32 heads over 4 KV heads of 128, 24 layers each a
+mixture of 64 experts of 256 features, 8 of them per token; 2.97B
+parameters, 0.86B active per token with the embedding, 0.76B without; the
+router kept F32 as llama.cpp's quantizer keeps it); --layers, --hidden,
+--ffn (an expert's, with experts), --heads, --kv-heads, --context-length,
+--rope-theta, --experts and --experts-used override them.
 """
 import argparse
 import ctypes
@@ -57,10 +62,12 @@ class Shape:
     context_length: int = 8192
     rope_theta: float = 100000.0
     rms_eps: float = 1e-5
-    arch: str = "llama"  # or "qwen3": per-head q/k norms; or "gemma3"
+    arch: str = "llama"  # or "qwen3": per-head q/k norms; "qwen3moe": those and a mixture of experts; or "gemma3"
     key_length: int | None = None  # head_dim where heads * head_dim is not hidden (Qwen3, Gemma 3)
     sliding_window: int = 0  # Gemma 3: the windowed layers' (every layer but each 6th) window
     vocab: int | None = None  # the embedded model's tokens padded to this many (Gemma 3's vocabulary size)
+    experts: int = 0  # qwen3moe: experts per layer (each of ffn features), experts_used of them per token
+    experts_used: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -78,6 +85,9 @@ PRESETS = {
     "gemma3-1b": Shape(layers=26, hidden=1152, ffn=6912, heads=4, kv_heads=1, context_length=32768,
                        rope_theta=1000000.0, rms_eps=1e-6, arch="gemma3", key_length=256, sliding_window=512,
                        vocab=262144),
+    # Qwen3-30B-A3B (48 layers, 128 experts of 768) with half the layers, half the experts, a third of each
+    "qwen3moe-3b": Shape(layers=24, hidden=2048, ffn=256, heads=32, kv_heads=4, context_length=40960,
+                         rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3moe", key_length=128, experts=64, experts_used=8),
 }
 # Gemma's chat template (text only): the system prompt opens the first user turn, the assistant is "model".
 GEMMA_TEMPLATE = (
@@ -94,7 +104,7 @@ GEMMA_TEMPLATE = (
 )
 GEMMA_MARKERS = ("<bos>", "<start_of_turn>", "<end_of_turn>")  # control tokens after the embedded model's
 # Shape fields a command-line flag of the same name (--kv-heads for kv_heads) overrides.
-OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "context_length", "rope_theta")
+OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "context_length", "rope_theta", "experts", "experts_used")
 
 
 def tokenizer_fields(reader: gguf.GGUFReader) -> list[tuple]:
@@ -135,9 +145,16 @@ def gemma_tokenizer_fields(fields: list[tuple], vocab: int) -> list[tuple]:
 
 
 def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
-    """Tensor names and numpy shapes (out_features, in_features) as llama.cpp's llama loader expects them."""
+    """Tensor names and numpy shapes (out_features, in_features) as llama.cpp's llama loader expects them; a mixture
+    of experts' matrices (experts, out_features, in_features)."""
     q_dim, kv_dim = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     plan = [("token_embd.weight", (vocab, shape.hidden))]
+    if shape.experts:
+        mlp = [("ffn_gate_inp", (shape.experts, shape.hidden)), ("ffn_gate_exps", (shape.experts, shape.ffn, shape.hidden)),
+               ("ffn_up_exps", (shape.experts, shape.ffn, shape.hidden)), ("ffn_down_exps", (shape.experts, shape.hidden, shape.ffn))]
+    else:
+        mlp = [("ffn_gate", (shape.ffn, shape.hidden)), ("ffn_up", (shape.ffn, shape.hidden)),
+               ("ffn_down", (shape.hidden, shape.ffn))]
     for n in range(shape.layers):
         plan += [
             (f"blk.{n}.attn_norm.weight", (shape.hidden,)),
@@ -145,13 +162,11 @@ def tensor_plan(shape: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
             (f"blk.{n}.attn_k.weight", (kv_dim, shape.hidden)),
             (f"blk.{n}.attn_v.weight", (kv_dim, shape.hidden)),
             *([(f"blk.{n}.attn_q_norm.weight", (shape.head_dim,)), (f"blk.{n}.attn_k_norm.weight", (shape.head_dim,))]
-              if shape.arch in ("qwen3", "gemma3") else []),
+              if shape.arch in ("qwen3", "qwen3moe", "gemma3") else []),
             (f"blk.{n}.attn_output.weight", (shape.hidden, q_dim)),
             *([(f"blk.{n}.post_attention_norm.weight", (shape.hidden,))] if shape.arch == "gemma3" else []),
             (f"blk.{n}.ffn_norm.weight", (shape.hidden,)),
-            (f"blk.{n}.ffn_gate.weight", (shape.ffn, shape.hidden)),
-            (f"blk.{n}.ffn_up.weight", (shape.ffn, shape.hidden)),
-            (f"blk.{n}.ffn_down.weight", (shape.hidden, shape.ffn)),
+            *((f"blk.{n}.{role}.weight", dims) for role, dims in mlp),
             *([(f"blk.{n}.post_ffw_norm.weight", (shape.hidden,))] if shape.arch == "gemma3" else []),
         ]
     plan.append(("output_norm.weight", (shape.hidden,)))
@@ -183,13 +198,18 @@ def write_f16(path: Path, name: str, shape: Shape, source: Path, seed: int, std:
         writer.add_value_length(shape.key_length)
     if shape.sliding_window:
         writer.add_sliding_window(shape.sliding_window)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.ffn)
     for key, value, vtype, sub_type in tokenizer:
         writer.add_key_value(key, value, vtype, sub_type)
     del reader
 
-    # Norm weights are 1-D and llama.cpp keeps them F32 in every quant type.
+    # Norm weights are 1-D and llama.cpp keeps them F32 in every quant type, as it keeps the experts' router
+    # (llama-quantize leaves ffn_gate_inp in the type it finds, and llama.cpp's converter writes it F32).
     plan = [
-        (tensor_name, dims, np.dtype(np.float32 if len(dims) == 1 else np.float16))
+        (tensor_name, dims, np.dtype(np.float32 if len(dims) == 1 or "ffn_gate_inp" in tensor_name else np.float16))
         for tensor_name, dims in tensor_plan(shape, vocab)
     ]
     for tensor_name, dims, dtype in plan:
@@ -206,7 +226,7 @@ def write_f16(path: Path, name: str, shape: Shape, source: Path, seed: int, std:
         else:
             data = rng.standard_normal(dims, dtype=np.float32)
             data *= std
-            data = data.astype(np.float16)
+            data = data.astype(dtype)
         writer.write_tensor_data(data)
         del data
     writer.close()
@@ -257,6 +277,8 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int)
     parser.add_argument("--context-length", type=int)
     parser.add_argument("--rope-theta", type=float)
+    parser.add_argument("--experts", type=int)
+    parser.add_argument("--experts-used", type=int)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--std", type=float, default=0.02, help="std of the random normal weights; norms are 1")
     parser.add_argument("--threads", type=int, default=0, help="quantizer threads (0: all cores)")

@@ -177,6 +177,26 @@ def tiny_gemma3():
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_moe():
+    """Qwen3 MoE: Qwen3's attention, and every MLP a mixture of 8 experts of which each token takes 3."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(3)
+    config = Qwen3MoeConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+        num_experts_per_tok=3, norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=600, use_sliding_window=False,
+    )
+    model = Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 1.5)
+            layer.mlp.gate.weight.normal_(0, 0.5)  # a router of zeros (its initial weights) ties every expert
+    return model
+
+
+@pytest.fixture(scope="session")
 def chromium():
     """Debian's Chromium under Playwright; the browser tests skip, saying why, on a machine without it."""
     import browser

@@ -43,6 +43,9 @@ def file_values(array: np.ndarray, type_name: str) -> np.ndarray:
     return gguf.quants.dequantize(array, gguf.GGMLQuantizationType[type_name]).astype(np.float32)
 
 
+EXPERTS, EXPERTS_USED = 8, 3  # a Qwen3 MoE file's
+
+
 def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 2, hidden: int = 256, ffn: int = 512,
           heads: int = 4, kv_heads: int = 2, tied: bool = True, seed: int = 0, tokenizer: bool = False,
           head_dim: int | None = None, window: int = 0) -> Path:
@@ -50,11 +53,14 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
     roles not given are F32. Qwen2 files get q/k/v biases, Qwen3 files per-head q/k norms (and ``head_dim``, if
     given, is written as the key length, heads times it need not be ``hidden``). Gemma 3 files get q/k norms,
     post-attention and post-MLP norms, RoPE base 1e6 (the windowed layers' stays llama.cpp's 10000) and, with
-    ``window``, that attention window. With ``tokenizer``, the embedded model's
+    ``window``, that attention window. Qwen3 MoE files have Qwen3's attention and EXPERTS experts of ``ffn``
+    features per layer (gate, up and down: 3-D tensors), EXPERTS_USED of them per token, and an F32 router.
+    With ``tokenizer``, the embedded model's
     tokenizer and its vocabulary; without, a 512-token vocabulary and no tokenizer (faster to read).
     Broken files for the error tests: ``types["missing"]`` names a tensor or metadata key left out,
     ``types["heads"]`` a head count written into the metadata that the tensors do not have, ``types["softcap"]``
-    a final logit soft-capping."""
+    a final logit soft-capping, ``types["shared_experts"]`` an expert_shared_count and ``types["gating"]`` an
+    expert_gating_func written into a Qwen3 MoE file."""
     rng = np.random.default_rng(seed)
     embedded = gguf.GGUFReader(default_gguf_path()) if tokenizer else None
     vocab = int(embedded.fields["llama.vocab_size"].contents()) if tokenizer else 512
@@ -71,6 +77,14 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
         writer.add_uint32(f"{arch}.attention.sliding_window", window)
     if "softcap" in types:
         writer.add_float32(f"{arch}.final_logit_softcapping", float(types["softcap"]))
+    moe = arch == "qwen3moe"
+    if moe:
+        for key, value in (("expert_count", EXPERTS), ("expert_used_count", EXPERTS_USED), ("expert_feed_forward_length", ffn),
+                           ("expert_shared_count", int(types.get("shared_experts", 0)))):
+            if f"{arch}.{key}" != missing:
+                writer.add_uint32(f"{arch}.{key}", value)
+        if "gating" in types:
+            writer.add_uint32(f"{arch}.expert_gating_func", int(types["gating"]))
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_uint32(f"{arch}.vocab_size", vocab)
     for key, value, vtype, sub_type in tokenizer_fields(embedded) if tokenizer else ():
@@ -80,11 +94,14 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
         writer.add_uint32(f"{arch}.attention.value_length", head_dim)
     head_dim = head_dim or hidden // heads
 
-    def add(name: str, role: str, rows: int, cols: int):
+    def add(name: str, role: str, rows: int, cols: int, experts: int = 1):
+        """A matrix [rows, cols], or with ``experts`` a 3-D tensor of that many [rows, cols] matrices."""
         if name == missing:
             return
         type_name = types.get(role, "F32")
-        array = random_tensor(rng, type_name, rows, cols)
+        array = random_tensor(rng, type_name, experts * rows, cols)
+        if experts > 1:
+            array = array.reshape(experts, rows, -1)
         raw_dtype = None if array.dtype != np.uint8 else gguf.GGMLQuantizationType[type_name]
         writer.add_tensor(name, array, raw_dtype=raw_dtype)
 
@@ -101,16 +118,19 @@ def write(path: Path, types: dict[str, str], arch: str = "llama", layers: int = 
         if arch == "qwen2":
             for part, size in (("q", heads), ("k", kv_heads), ("v", kv_heads)):
                 writer.add_tensor(f"blk.{i}.attn_{part}.bias", rng.normal(0, 0.5, size * head_dim).astype(np.float32))
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "qwen3moe", "gemma3"):
             for part in "qk":
                 writer.add_tensor(f"blk.{i}.attn_{part}_norm.weight", rng.uniform(0.5, 1.5, head_dim).astype(np.float32))
         add(f"blk.{i}.attn_output.weight", "o", hidden, heads * head_dim)
         if arch == "gemma3":
             norm(f"blk.{i}.post_attention_norm.weight", hidden)
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))
-        add(f"blk.{i}.ffn_gate.weight", "gate", ffn, hidden)
-        add(f"blk.{i}.ffn_up.weight", "up", ffn, hidden)
-        add(f"blk.{i}.ffn_down.weight", "down", hidden, ffn)
+        if moe:
+            writer.add_tensor(f"blk.{i}.ffn_gate_inp.weight", rng.normal(0, 0.5, (EXPERTS, hidden)).astype(np.float32))
+        suffix, experts = ("_exps", EXPERTS) if moe else ("", 1)
+        add(f"blk.{i}.ffn_gate{suffix}.weight", "gate", ffn, hidden, experts)
+        add(f"blk.{i}.ffn_up{suffix}.weight", "up", ffn, hidden, experts)
+        add(f"blk.{i}.ffn_down{suffix}.weight", "down", hidden, ffn, experts)
         if arch == "gemma3":
             norm(f"blk.{i}.post_ffw_norm.weight", hidden)
     writer.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, hidden).astype(np.float32))

@@ -150,12 +150,12 @@ def test_the_server_streams_from_the_gpu_and_reuses_its_cache(gpu_checkpoint):
         assert "tinygemm" in server.log() and "cuda" in server.log()
 
 
-@pytest.mark.parametrize("mix", ["q4_k_m", "q4_1+q5_1"])
-def test_a_quantized_gguf_on_the_gpu_computes_what_it_does_on_the_cpu(tmp_path, mix):
-    """The GGUF loader's CUDA path: every tensor dequantized into the dtype on the device."""
+@pytest.mark.parametrize("arch, mix", [("llama", "q4_k_m"), ("llama", "q4_1+q5_1"), ("qwen3moe", "q4_k_m")])
+def test_a_quantized_gguf_on_the_gpu_computes_what_it_does_on_the_cpu(tmp_path, arch, mix):
+    """The GGUF loader's CUDA path: every tensor dequantized into the dtype on the device (each expert's too)."""
     from test_gguf import MIXES
 
-    path = gguf_files.write(tmp_path / "m.gguf", MIXES[mix], tied=mix == "q4_k_m")
+    path = gguf_files.write(tmp_path / "m.gguf", MIXES[mix], arch=arch, tied=mix == "q4_k_m", ffn=256)
     ids = list(range(3, 60))
     config, on_cpu = gguf_file.load(path, plain=torch.float32)
     _, on_gpu = gguf_file.load(path, plain=torch.float32)

@@ -45,10 +45,10 @@ def test_the_header_reader_agrees_with_the_gguf_package(tmp_path):
     assert ours.array("tokenizer.ggml.scores") is None  # a byte-level vocabulary has none
 
 
-def hf_logits(path, ids):
+def hf_logits(path, ids, **config):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32, **config).eval()
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits[0]
 
@@ -65,17 +65,19 @@ MIXES = {
 
 @pytest.mark.parametrize("arch, mix, tied", [("llama", name, True) for name in MIXES] + [("llama", "q4_k_m", False),
                                              ("qwen2", "q4_0", True), ("qwen3", "q4_k_m", True),
-                                             ("gemma3", "q4_k_m", True)])
+                                             ("gemma3", "q4_k_m", True), ("qwen3moe", "q4_k_m", True),
+                                             ("qwen3moe", "q4_1+q5_1", True)])
 def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, arch, mix, tied):
     types = MIXES[mix] | ({"output": "Q6_K"} if not tied else {})
     # Qwen3's heads times head_dim is not its hidden size (0.6B: 16 x 128 over 1024). Gemma 3: head_dim 256, as
     # transformers takes query_pre_attn_scalar (absent from GGUF) to be; 6 layers, the last global, the other
     # five windowed to 16 of the 40 positions.
-    gemma = arch == "gemma3"
+    gemma, moe = arch == "gemma3", arch == "qwen3moe"
     path = gguf_files.write(tmp_path / f"{arch}-{mix}.gguf", types, arch=arch, tied=tied,
-                            head_dim={"qwen3": 128, "gemma3": 256}.get(arch), layers=6 if gemma else 2,
-                            window=16 if gemma else 0)
-    expected = hf_logits(path, IDS)
+                            head_dim=128 if arch.startswith("qwen3") else 256 if gemma else None,
+                            layers=6 if gemma else 2, window=16 if gemma else 0, ffn=256 if moe else 512)
+    # transformers reads no expert_feed_forward_length from a GGUF
+    expected = hf_logits(path, IDS, **({"moe_intermediate_size": 256} if moe else {}))
     config, plain = gguf_file.load(path, plain=torch.float32)  # the file's values, dequantized
     torch.testing.assert_close(llama.LlamaRunner(config, plain, kv_dtype=torch.float32).score(IDS, "exact"), expected,
                                atol=2e-4, rtol=1e-3)
@@ -84,7 +86,12 @@ def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, 
     in_blocks = llama.LlamaRunner(config, weights, kv_dtype=torch.float32)
     assert all(isinstance(m, quant.BlockWeight) for layer in weights.layers for m in layer.matrices())
     assert weights.layers[0].wqkv.types == (types["q"], types["k"], types["v"])  # stacked as the file has them
-    assert weights.layers[0].w2.types == (types["down"],)
+    down = weights.layers[0].moe.w2[0] if moe else weights.layers[0].w2
+    assert down.types == (types["down"],)
+    if moe:  # each expert's matrices are consecutive row ranges of the file's mapped tensors, not copies
+        gates = [w13.parts[0] for w13 in weights.layers[0].moe.w13]
+        assert len(gates) == gguf_files.EXPERTS and weights.layers[0].moe.top_k == gguf_files.EXPERTS_USED
+        assert all(b.data_ptr() == a.data_ptr() + a.nbytes for a, b in zip(gates, gates[1:]))
     assert (weights.embed is weights.head) == tied and isinstance(weights.embed, quant.BlockWeight)
     # The kernels compute on the file's values with activations rounded to int8 per block of 32 (the float
     # types on fp32 activations): against fp32 products of the same values, that rounding alone.
@@ -104,6 +111,10 @@ def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, 
     ("llama", {"heads": "8"}, r"attn_k.weight in m.gguf is 128 x 256, not the 64 x 256"),  # tensors that do not fit
     ("gemma3", {"softcap": "30"}, r"final logit softcapping in m.gguf"),
     ("gemma3", {"missing": "blk.0.post_ffw_norm.weight"}, r"has no tensor blk.0.post_ffw_norm.weight"),
+    ("qwen3moe", {"shared_experts": "1"}, "shared experts in m.gguf are not supported"),
+    ("qwen3moe", {"gating": "2"}, r"expert gating function 2 in m.gguf \(only softmax, 1, is supported\)"),  # sigmoid
+    ("qwen3moe", {"missing": "qwen3moe.expert_used_count"}, r"lacks the metadata key qwen3moe.expert_used_count"),
+    ("qwen3moe", {"missing": "blk.1.ffn_down_exps.weight"}, r"has no tensor blk.1.ffn_down_exps.weight"),
 ])
 def test_what_it_does_not_read_fails_with_one_line(tmp_path, arch, types, message, monkeypatch):
     if "Q2_K" in types.values():  # gguf's writer takes raw blocks of any type; ours has no random Q2_K
@@ -162,3 +173,39 @@ def test_a_gemma3_checkpoint_is_packed_as_its_transformers_model_is(tiny_gemma3,
     reference_config, plain = llama.from_transformers(tiny_gemma3)
     expected = llama.LlamaRunner(reference_config, llama.pack(plain, "int8"))
     assert torch.equal(llama.LlamaRunner(*loaded.lean).score(IDS), expected.score(IDS))
+
+
+def test_a_mixture_of_experts_checkpoint_is_packed_expert_by_expert(tiny_qwen3_moe, tokenizer, tmp_path):
+    """--quantize int8 on a Qwen3 MoE safetensors directory (each expert's matrices stored apart, as transformers
+    saves them): the same blocks as packing the loaded model's, and the router left in fp32."""
+    tiny_qwen3_moe.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = checkpoint.load(str(tmp_path), model_impl="auto", quantize="int8")
+    assert loaded.model is None and loaded.packed
+    config, weights = loaded.lean
+    moe = weights.layers[1].moe
+    assert weights.layers[1].w13 is None and len(moe.w13) == 8 and moe.top_k == 3 and moe.norm_top_k
+    assert moe.w13[0].types == ("Q8_0",) and moe.router.dtype == torch.float32
+    reference_config, plain = llama.from_transformers(tiny_qwen3_moe)
+    expected = llama.LlamaRunner(reference_config, llama.pack(plain, "int8"))
+    assert torch.equal(llama.LlamaRunner(config, weights).score(IDS), expected.score(IDS))
+
+
+def test_the_qwen3moe_preset_writes_what_transformers_and_our_loader_read_alike(tmp_path):
+    """bench/make_gguf.py's qwen3moe-3b shape, shrunk: its 3-D expert tensors and F32 router in the layout
+    transformers' GGUF reader and ours agree on."""
+    import dataclasses
+
+    from bench import make_gguf
+
+    shape = dataclasses.replace(make_gguf.PRESETS["qwen3moe-3b"], layers=2, hidden=256, heads=4, kv_heads=2, experts=4,
+                                experts_used=2, context_length=512)
+    path = tmp_path / "moe.gguf"
+    make_gguf.write_f16(path, "moe", shape, checkpoint.default_gguf_path(), seed=0, std=0.1)
+    config, weights = gguf_file.load(path)
+    moe = weights.layers[1].moe
+    assert len(moe.w13) == 4 and moe.top_k == 2 and moe.w13[0].shape == (2 * 256, 256) and moe.w2[0].shape == (256, 256)
+    assert gguf_file.GGUFFile(path).tensors["blk.0.ffn_gate_inp.weight"].type_name == "F32"
+    expected = hf_logits(path, IDS, moe_intermediate_size=256)
+    got = llama.LlamaRunner(config, weights, kv_dtype=torch.float32).score(IDS, "exact")
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-3)

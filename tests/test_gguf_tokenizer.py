@@ -119,7 +119,7 @@ def test_the_gemma_benchmark_vocabulary_chats_in_gemma_turns(tmp_path):
     turn markers single control tokens, <end_of_turn> the end of a reply, Gemma's template."""
     import gguf
     import numpy as np
-    from make_gguf import GEMMA_MARKERS, gemma_tokenizer_fields, tokenizer_fields
+    from bench.make_gguf import GEMMA_MARKERS, gemma_tokenizer_fields, tokenizer_fields
 
     vocab = 60_000
     fields = {key.removeprefix("tokenizer.ggml.").removeprefix("tokenizer."): value for key, value, _, _ in

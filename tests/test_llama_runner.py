@@ -34,7 +34,7 @@ def run_chunks(runner, cache, tokens: list[int], chunk: int) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen2", "tiny_qwen3", "tiny_gemma3"])
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_gemma3"])
 def test_tiny_logits_match_hf_prefill_chunks_and_decode(model_name, request):
     model = request.getfixturevalue(model_name)
     assert llama.unsupported_reason(model.config) is None
@@ -134,11 +134,13 @@ def greedy_paths(runner, prompt_ids: list[int], drafts: list[int]) -> list[tuple
 
 
 @pytest.mark.parametrize("isa", blocks.isas())
-@pytest.mark.parametrize("model_name, quantize", [("tiny_model", q) for q in FORMATS] + [("tiny_gemma3", "int4")])
+@pytest.mark.parametrize("model_name, quantize", [(name, q) for name in ("tiny_model", "tiny_qwen3_moe") for q in FORMATS]
+                         + [("tiny_gemma3", "int4")])
 def test_a_row_gets_the_same_bits_whatever_path_it_takes(model_name, quantize, isa, request):
     """One answer per request: a position's logits and keys are the same bits whether it was prefilled in one
     chunk or several, stepped, verified with drafts (after a rollback too) or scored, in every block format and
-    on every instruction-set path this CPU has (AVX2 on every x86 machine); Gemma 3's windowed attention too."""
+    on every instruction-set path this CPU has (AVX2 on every x86 machine). With experts too: a row's experts
+    run on whichever rows of the chunk chose them; and Gemma 3's windowed attention."""
     runner = lean(request.getfixturevalue(model_name), quantize, isa=isa)
     assert runner.isa == isa and runner.step is not None
     paths = greedy_paths(runner, list(range(100, 140)), [7, 300, 12, 12, 55, 901, 3, 44, 8])
@@ -250,7 +252,7 @@ def test_quantized_greedy_and_perplexity_track_fp32(smol, smol_lean, quantize):
 
 
 @pytest.mark.parametrize("isa", blocks.isas())
-@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_gemma3"])
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen3_moe", "tiny_gemma3"])
 def test_sequences_batched_together_get_what_each_gets_alone(model_name, isa, request):
     """Several generations' rows in one forward (a prefill chunk, a step, a verify side by side, at different
     positions of their own caches): each sequence's logits and cache are the bits it gets alone."""
@@ -296,3 +298,43 @@ def test_gemma3_variants_it_does_not_run_are_named(tiny_gemma3, change, reason):
 
     config = Gemma3TextConfig(**{**tiny_gemma3.config.to_dict(), **change})
     assert reason in llama.unsupported_reason(config)
+
+
+def test_a_step_reads_only_the_experts_its_router_chose(tiny_qwen3_moe, monkeypatch):
+    """A decode step multiplies by the top_k experts chosen in each layer and by no other: with every other
+    expert's weights NaN, the step's logits are the same bits."""
+    runner = lean(tiny_qwen3_moe, "int8")
+    cache = runner.new_cache()
+    runner.forward(list(range(100, 120)), cache)
+    chosen = []  # the step's experts per layer, as the Python forward routes the same row (its last)
+    route = llama.route
+    monkeypatch.setattr(llama, "route", lambda h, experts: chosen.append(route(h, experts)[1][-1].tolist()) or route(h, experts))
+    python = llama.LlamaRunner(runner.config, runner.weights)
+    python.step = None
+    python.forward(list(range(100, 120)) + [7], python.new_cache())
+    assert len(chosen) == len(runner.layers) and all(len(c) == 3 for c in chosen)
+
+    def poisoned(w, keep):
+        return w if keep else quant.to_blocks(torch.full(w.shape, float("nan")), "none")
+    layers = [layer._replace(moe=layer.moe._replace(
+        w13=tuple(poisoned(w, e in used) for e, w in enumerate(layer.moe.w13)),
+        w2=tuple(poisoned(w, e in used) for e, w in enumerate(layer.moe.w2)))) for layer, used in zip(runner.layers, chosen)]
+    unread = llama.LlamaRunner(runner.config, llama.LlamaWeights(runner.weights.embed, layers, runner.final_norm, runner.head))
+    expected = runner.forward([7], runner.fork(cache, cache.length), decode=True)
+    assert torch.equal(unread.forward([7], runner.fork(cache, cache.length), decode=True), expected)
+    # Another token reads other experts: the NaNs reach it (the int8 head turns them to zeros).
+    other = unread.forward([8], runner.fork(cache, cache.length), decode=True)
+    assert not torch.equal(other, runner.forward([8], runner.fork(cache, cache.length), decode=True))
+
+    def size(w):
+        return sum(p.numel() for p in w.parts)
+    layer = runner.layers[0]  # what a step reads, for the benchmarks' bandwidth figures: 3 experts of 8
+    assert layer.step_bytes(size) == size(layer.wqkv) + size(layer.wo) + 3 * (size(layer.moe.w13[0]) + size(layer.moe.w2[0]))
+
+
+def test_a_config_the_lean_forward_does_not_run_is_named_in_one_line():
+    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
+
+    assert llama.unsupported_reason(Qwen3MoeConfig()) is None
+    assert llama.unsupported_reason(Qwen3MoeConfig(shared_expert_intermediate_size=64)) == "shared experts"
+    assert "'qwen2_moe' is not one of" in llama.unsupported_reason(Qwen2MoeConfig())

@@ -174,14 +174,24 @@ def native_forward(layers, heads: int, kv_heads: int, eps: float, scale: float, 
     vectors, parts, types = [], [], []
     for layer in layers:
         vectors += [layer.attn_norm, layer.ffn_norm] + [_EMPTY if v is None else v for v in (layer.bqkv, layer.qk_norm)]
-        for w in layer.matrices():
-            parts.append(list(w.parts))
-            types.append([blocks.TYPE_IDS[t] for t in w.types])
+        for w in (layer.wqkv, layer.wo, layer.w13, layer.w2):  # w13, w2 None where the layer has experts instead
+            parts.append([] if w is None else list(w.parts))
+            types.append([] if w is None else _type_ids(w))
     forward = _native.Forward(vectors, parts, types, heads, kv_heads, eps, scale, isa)
     if gelu or windows or any(layer.post_attn_norm is not None for layer in layers):
         norms = [_EMPTY if v is None else v for layer in layers for v in (layer.post_attn_norm, layer.post_ffn_norm)]
         forward.gemma(norms, list(windows) or [0] * len(layers), gelu)
+    for i, layer in enumerate(layers):
+        moe = layer.moe
+        if moe is not None:  # the router in fp32, as F32 blocks
+            forward.set_experts(i, [moe.router.float().contiguous().view(torch.uint8)], [blocks.TYPE_IDS["F32"]],
+                                [list(w.parts) for w in moe.w13], [_type_ids(w) for w in moe.w13],
+                                [list(w.parts) for w in moe.w2], [_type_ids(w) for w in moe.w2], moe.top_k, moe.norm_top_k)
     return forward
+
+
+def _type_ids(weight) -> list[int]:
+    return [blocks.TYPE_IDS[t] for t in weight.types]
 
 
 _EMPTY = torch.empty(0)

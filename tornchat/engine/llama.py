@@ -1,4 +1,4 @@
-"""A lean forward for the Llama family (Llama, Qwen2, Qwen3, Mistral, Gemma 3; SmolLM2 is Llama).
+"""A lean forward for the Llama family (Llama, Qwen2, Qwen3, Qwen3 MoE, Mistral, Gemma 3; SmolLM2 is Llama).
 
 transformers' modules spend about as long in Python and dispatcher overhead
 as in the matmuls of a small model's decode step (docs/performance.md
@@ -20,11 +20,29 @@ import torch.nn.functional as F
 from tornchat.engine import blocks, cuda_graph, fused, quant
 from tornchat.engine.model import one_by_one
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3_text")
 QUANTIZE = ("none", "bf16", "int8", "int4")
 MATRICES = ("wqkv", "wo", "w13", "w2")  # a Layer's matrices, in the order matrices() gives them
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables that do not depend on the sequence length
 CACHE_CHUNK = 256  # positions a cache grows by; kv_memory_mb measures what is allocated
+
+
+class Experts(NamedTuple):
+    """A mixture-of-experts MLP (Qwen3 MoE): the router's softmax over the experts picks each row's top_k, and
+    the row's output is their SiLU-gated MLPs' outputs weighted by those probabilities (renormalized to sum 1
+    where ``norm_top_k``). Each expert's matrices are its own weights, so a row reads only its experts'."""
+
+    router: torch.Tensor  # [experts, hidden] in fp32 (llama.cpp keeps it F32 in quantized files too)
+    w13: tuple[quant.Weight, ...]  # each expert's gate and up, stacked
+    w2: tuple[quant.Weight, ...]
+    top_k: int
+    norm_top_k: bool
+
+    def matrices(self) -> tuple[quant.Weight, ...]:
+        return self.w13 + self.w2
+
+    def packed(self, pack) -> "Experts":
+        return self._replace(w13=tuple(map(pack, self.w13)), w2=tuple(map(pack, self.w2)))
 
 
 class Layer(NamedTuple):
@@ -33,18 +51,33 @@ class Layer(NamedTuple):
     bqkv: torch.Tensor | None  # Qwen2 has q/k/v biases
     wo: quant.Weight
     ffn_norm: torch.Tensor
-    w13: quant.Weight  # gate and up, stacked
-    w2: quant.Weight
+    w13: quant.Weight | None  # gate and up, stacked; None where the MLP is a mixture of experts (moe)
+    w2: quant.Weight | None
     qk_norm: torch.Tensor | None = None  # Qwen3: RMS norm weights of each query and key head [2, head_dim], RoPE pair order
     # Gemma 3: RMS norms of the attention's and the MLP's outputs before each is added to the residual stream
     post_attn_norm: torch.Tensor | None = None
     post_ffn_norm: torch.Tensor | None = None
+    moe: Experts | None = None  # Qwen3 MoE: the MLP in place of w13 and w2
 
     def matrices(self) -> tuple[quant.Weight, ...]:
-        return tuple(getattr(self, role) for role in MATRICES)
+        dense = tuple(getattr(self, role) for role in MATRICES if getattr(self, role) is not None)
+        return dense + (self.moe.matrices() if self.moe is not None else ())
 
     def packed(self, pack) -> "Layer":
-        return self._replace(**{role: pack(getattr(self, role)) for role in MATRICES})
+        packed = self._replace(**{role: pack(getattr(self, role)) for role in MATRICES if getattr(self, role) is not None})
+        return packed._replace(moe=self.moe.packed(pack)) if self.moe is not None else packed
+
+    def step_bytes(self, nbytes) -> float:
+        """What a decode step reads of this layer's matrices (``nbytes`` of each): every dense one, and top_k of
+        the experts, all of one size."""
+        dense = sum(nbytes(m) for m in self._replace(moe=None).matrices())
+        if self.moe is None:
+            return dense
+        return dense + sum(nbytes(m) for m in self.moe.matrices()) * self.moe.top_k / len(self.moe.w13)
+
+    def mlp_input(self) -> quant.Weight:
+        """The first matrix the MLP's input meets, whose ``quant.input_dtype`` the norm before it rounds to."""
+        return self.w13 if self.moe is None else self.moe.w13[0]
 
 
 @dataclass(frozen=True)
@@ -95,6 +128,8 @@ def unsupported_reason(config) -> str | None:
         return _gemma3_unsupported_reason(config)
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False):
         return "only SiLU-gated MLPs without bias"
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        return "shared experts"
     window = getattr(config, "sliding_window", None)
     if window and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
         return "sliding-window attention"
@@ -202,15 +237,19 @@ def from_transformers(model: torch.nn.Module) -> tuple[LlamaConfig, LlamaWeights
                 attn.v_proj.bias.detach(),
             ])
         qk_norm = qk_norms(attn.q_norm.weight.detach(), attn.k_norm.weight.detach()) if hasattr(attn, "q_norm") else None
+        moe = hasattr(mlp, "experts")  # Qwen3 MoE: the experts' matrices stacked [experts, rows, cols]
         return Layer(
             attn_norm=block.input_layernorm.weight.detach(),
             wqkv=torch.cat([q, k, attn.v_proj.weight.detach()]),
             bqkv=bias,
             wo=attn.o_proj.weight.detach(),
             ffn_norm=block.post_attention_layernorm.weight.detach(),
-            w13=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
-            w2=mlp.down_proj.weight.detach(),
+            w13=None if moe else torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
+            w2=None if moe else mlp.down_proj.weight.detach(),
             qk_norm=qk_norm,
+            moe=Experts(router=mlp.gate.weight.detach().float(), w13=tuple(mlp.experts.gate_up_proj.detach().unbind()),
+                        w2=tuple(mlp.experts.down_proj.detach().unbind()), top_k=mlp.gate.top_k,
+                        norm_top_k=bool(mlp.gate.norm_topk_prob)) if moe else None,
         )
 
     embed, head = inner.embed_tokens.weight.detach(), model.lm_head.weight.detach()
@@ -305,9 +344,11 @@ class LlamaRunner:
         on_cpu = self.device.type == "cpu"
         self.kv_dtype = kv_dtype or (torch.bfloat16 if on_cpu else self.dtype)
         # On CUDA, one-token steps replay a captured graph (cuda_graph.py) unless ``graphs`` is off; Gemma 3's
-        # steps run eagerly (the captured step is the Llama layer's).
+        # steps run eagerly (the captured step is the Llama layer's), and so do experts' (a graph cannot follow
+        # their choice per token).
         gemma = config.gelu or any(self.windows)
-        self.graphs = cuda_graph.GraphedSteps(self) if graphs and not on_cpu and not gemma else None
+        moe = any(layer.moe is not None for layer in self.layers)
+        self.graphs = cuda_graph.GraphedSteps(self) if graphs and not on_cpu and not gemma and not moe else None
         self.step = None  # the C++ forward over the layers (Forward); None: the Python loop
         self.isa = ""
         if self.ops is fused.NATIVE and fused.attends(self.head_dim) and all(
@@ -461,7 +502,7 @@ class LlamaRunner:
             window = self.windows[i]
             freqs = (self.local_rope if window and self.local_rope is not None else self.rope)[start:end]
             if exact:
-                layer = layer._replace(**{role: quant.dequantize(getattr(layer, role), torch.float32) for role in MATRICES})
+                layer = layer.packed(lambda w: quant.dequantize(w, torch.float32))
             h = ops.rms_norm(x, layer.attn_norm, self.eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
             qkv = quant.linear(h, layer.wqkv)
             if layer.bqkv is not None:
@@ -471,11 +512,37 @@ class LlamaRunner:
                                layer.qk_norm, self.eps)
             out = quant.linear(sdpa_attend(q, keys, values, start, self.scale, masks[window]), layer.wo)
             x = x + (out if layer.post_attn_norm is None else ops.rms_norm(out, layer.post_attn_norm, self.eps, False))
-            h = ops.rms_norm(x, layer.ffn_norm, self.eps, quant.input_dtype(layer.w13) == torch.bfloat16)
+            h = ops.rms_norm(x, layer.ffn_norm, self.eps, quant.input_dtype(layer.mlp_input()) == torch.bfloat16)
             gate = ops.gelu_mul if self.config.gelu else ops.silu_mul
-            out = quant.linear(gate(quant.linear(h, layer.w13)), layer.w2)
+            if layer.moe is not None:
+                out = mixture(h, layer.moe, gate).to(x.dtype)
+            else:
+                out = quant.linear(gate(quant.linear(h, layer.w13)), layer.w2)
             x = x + (out if layer.post_ffn_norm is None else ops.rms_norm(out, layer.post_ffn_norm, self.eps, False))
         return x
+
+
+def route(h: torch.Tensor, experts: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top_k experts [n, k] (most probable first) and their weights [n, k] in fp32: the router's
+    softmax in fp32, the chosen probabilities renormalized to sum 1 where ``norm_top_k``."""
+    probabilities = torch.softmax(F.linear(h.float(), experts.router.float()), dim=-1)
+    weights, chosen = torch.topk(probabilities, experts.top_k, dim=-1)
+    if experts.norm_top_k:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
+
+
+def mixture(h: torch.Tensor, experts: Experts, gate) -> torch.Tensor:
+    """The mixture-of-experts MLP of rows h [n, hidden] in fp32: each expert runs on the rows routed to it
+    (``route``), and a row's k outputs are weighted and summed in order of rank; ``gate``: the gating op
+    (``Ops.silu_mul``)."""
+    weights, chosen = route(h, experts)
+    outputs = torch.zeros(*chosen.shape, h.shape[1], dtype=torch.float32, device=h.device)  # [n, k, hidden]
+    for e in chosen.unique().tolist():
+        rows, ranks = (chosen == e).nonzero(as_tuple=True)
+        y = quant.linear(gate(quant.linear(h[rows], experts.w13[e])), experts.w2[e])
+        outputs[rows, ranks] = y.float()
+    return (outputs * weights[..., None]).sum(dim=1)
 
 
 def _whole_blocks(length: int) -> int:

@@ -4,8 +4,10 @@ Every matrix is a ``quant.BlockWeight`` over views of the file's memory
 map: the kernels (csrc/blocks.cpp) compute on the blocks as the file
 stores them, whatever their types (Q4_K_M mixes Q4_K and Q6_K, even inside
 one fused query-key-value matrix), so nothing is converted at start and the
-model is in memory once, as the file's pages. Only Qwen2's query and key
-rows are copied, reordered for RoPE. The token embedding's rows are decoded
+model is in memory once, as the file's pages. A mixture of experts' 3-D
+tensors (Qwen3 MoE) are views too, one matrix per expert, each expert's rows
+contiguous in the file. Only Qwen2's and Qwen3's query and key rows are
+copied, reordered for RoPE. The token embedding's rows are decoded
 as a prompt looks them up. With ``plain``, every tensor is decoded into
 that dtype instead (a GPU, or --quantize modes that pack from float values).
 
@@ -23,12 +25,14 @@ import numpy as np
 import torch
 
 from tornchat.engine import quant
-from tornchat.engine.llama import Layer, LlamaConfig, LlamaWeights, interleave_rope_rows, qk_norms
+from tornchat.engine.llama import Experts, Layer, LlamaConfig, LlamaWeights, interleave_rope_rows, qk_norms
 from tornchat.engine import ggml
 
 log = logging.getLogger("tornchat.checkpoint")
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "mistral", "gemma3")
+MOE_ARCHITECTURES = ("qwen3moe",)  # every layer's MLP a mixture of experts, softmax-routed, top-k renormalized
+QK_NORM_ARCHITECTURES = ("qwen3", "qwen3moe", "gemma3")
 
 
 class UnsupportedFile(Exception):
@@ -189,6 +193,8 @@ def config_of(file: GGUFFile) -> LlamaConfig:
         inv_freq = inv_freq / float(file.meta("rope.scaling.factor", 1.0))
     elif scaling not in ("none", None):
         raise UnsupportedFile(f"RoPE scaling {scaling!r} in {file.path.name}")
+    if file.arch in MOE_ARCHITECTURES:
+        _check_experts(file)
     if "rope_freqs.weight" in file.tensors:  # Llama 3.1+: per-frequency divisors
         inv_freq = inv_freq / ggml.dequantize(file.raw("rope_freqs.weight"), "F32").reshape(-1)
     config = LlamaConfig(
@@ -225,15 +231,35 @@ def _gemma3_config(file: GGUFFile, config: LlamaConfig) -> LlamaConfig:
     )
 
 
+def _check_experts(file: GGUFFile) -> None:
+    """A mixture of experts as Qwen3 MoE has it, or a one-line refusal: no shared expert, softmax gating, top-k of
+    the experts."""
+    if file.value(f"{file.arch}.expert_shared_count", 0) or any("shexp" in name for name in file.tensors):
+        raise UnsupportedFile(f"shared experts in {file.path.name} are not supported")
+    gating = file.value(f"{file.arch}.expert_gating_func", 1)  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+    if gating != 1:
+        raise UnsupportedFile(f"expert gating function {gating} in {file.path.name} (only softmax, 1, is supported)")
+    count, used = int(file.meta("expert_count")), int(file.meta("expert_used_count"))
+    if not 0 < used <= count:
+        raise UnsupportedFile(f"{file.path.name} uses {used} of {count} experts per token")
+
+
 def _check_shapes(file: GGUFFile, config: LlamaConfig, layers: int) -> None:
     """Every layer tensor's [rows, cols] as the metadata says, before anything is converted: a file whose
     tensors do not fit is refused in one line instead of failing in the first forward."""
-    ffn, q, kv = int(file.meta("feed_forward_length")), config.heads * config.head_dim, config.kv_heads * config.head_dim
+    q, kv = config.heads * config.head_dim, config.kv_heads * config.head_dim
     expected = {"attn_q.weight": (q, config.hidden), "attn_k.weight": (kv, config.hidden), "attn_v.weight": (kv, config.hidden),
-                "attn_output.weight": (config.hidden, q), "ffn_gate.weight": (ffn, config.hidden),
-                "ffn_up.weight": (ffn, config.hidden), "ffn_down.weight": (config.hidden, ffn),
-                "attn_norm.weight": (1, config.hidden), "ffn_norm.weight": (1, config.hidden)}
-    if file.arch in ("qwen3", "gemma3"):
+                "attn_output.weight": (config.hidden, q), "attn_norm.weight": (1, config.hidden),
+                "ffn_norm.weight": (1, config.hidden)}
+    if file.arch in MOE_ARCHITECTURES:  # 3-D tensors [experts, rows, cols] as [experts * rows, cols]
+        count, ffn = int(file.meta("expert_count")), int(file.meta("expert_feed_forward_length"))
+        expected |= {"ffn_gate_inp.weight": (count, config.hidden), "ffn_gate_exps.weight": (count * ffn, config.hidden),
+                     "ffn_up_exps.weight": (count * ffn, config.hidden), "ffn_down_exps.weight": (count * config.hidden, ffn)}
+    else:
+        ffn = int(file.meta("feed_forward_length"))
+        expected |= {"ffn_gate.weight": (ffn, config.hidden), "ffn_up.weight": (ffn, config.hidden),
+                     "ffn_down.weight": (config.hidden, ffn)}
+    if file.arch in QK_NORM_ARCHITECTURES:
         expected |= {"attn_q_norm.weight": (1, config.head_dim), "attn_k_norm.weight": (1, config.head_dim)}
     if file.arch == "gemma3":
         expected |= {"post_attention_norm.weight": (1, config.hidden), "post_ffw_norm.weight": (1, config.hidden)}
@@ -263,9 +289,31 @@ def _matrix(file: GGUFFile, names: list[str], reorder: list, plain: torch.dtype 
     types = [_check_type(file, name) for name in names]
     parts = [permute(file.mapped(name)).contiguous() if permute else file.mapped(name)
              for name, permute in zip(names, reorder)]
+    return _weight(parts, types, plain)
+
+
+def _weight(parts: list[torch.Tensor], types: list[str], plain: torch.dtype | None) -> quant.Weight:
     if plain is not None:
         return torch.cat([ggml.values(raw, t).to(plain) for raw, t in zip(parts, types)])
     return quant.BlockWeight(tuple(parts), tuple(types))
+
+
+def _experts(file: GGUFFile, blk: str, plain: torch.dtype | None) -> Experts:
+    """A layer's mixture of experts: each expert's matrices are row ranges of the file's 3-D tensors (views of the
+    mapping, never copied), so a token reads only its experts' pages. Qwen3 MoE renormalizes the top k."""
+    count = int(file.meta("expert_count"))
+    gate, up, down = (blk + f"ffn_{p}_exps.weight" for p in ("gate", "up", "down"))
+    types = {name: _check_type(file, name) for name in (gate, up, down)}
+    mapped = {name: file.mapped(name) for name in types}
+
+    def expert(names: list[str], e: int) -> quant.Weight:
+        parts = [mapped[n][e * (mapped[n].shape[0] // count) : (e + 1) * (mapped[n].shape[0] // count)] for n in names]
+        return _weight(parts, [types[n] for n in names], plain)
+
+    router = ggml.dequantize(file.raw(blk + "ffn_gate_inp.weight"), _check_type(file, blk + "ffn_gate_inp.weight"))
+    return Experts(router=router.reshape(count, -1).float(), w13=tuple(expert([gate, up], e) for e in range(count)),
+                   w2=tuple(expert([down], e) for e in range(count)), top_k=int(file.meta("expert_used_count")),
+                   norm_top_k=True)
 
 
 def _vector(file: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -281,7 +329,7 @@ def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[Lla
     config = config_of(file)
     # llama.cpp stores Llama queries and keys with each head's rows in RoPE pairs already (its converter
     # permutes them); Qwen2, Qwen3 and Gemma 3 keep transformers' halves.
-    if file.arch in ("qwen2", "qwen3", "gemma3"):
+    if file.arch in ("qwen2",) + QK_NORM_ARCHITECTURES:
         q_rows = lambda raw: interleave_rope_rows(raw, config.heads)  # noqa: E731
         k_rows = lambda raw: interleave_rope_rows(raw, config.kv_heads)  # noqa: E731
     else:
@@ -295,7 +343,7 @@ def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[Lla
     layers = []
     for i in range(int(file.meta("block_count"))):
         blk = f"blk.{i}."
-        bias = None
+        bias, moe = None, file.arch in MOE_ARCHITECTURES
         if blk + "attn_q.bias" in file.tensors:
             q_b, k_b, v_b = (_vector(file, blk + f"attn_{p}.bias", vector_dtype) for p in "qkv")
             bias = torch.cat([q_rows(q_b[:, None])[:, 0] if q_rows else q_b, k_rows(k_b[:, None])[:, 0] if k_rows else k_b, v_b])
@@ -305,13 +353,14 @@ def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[Lla
             bqkv=bias,
             wo=matrix([blk + "attn_output.weight"], [None]),
             ffn_norm=_vector(file, blk + "ffn_norm.weight", vector_dtype),
-            w13=matrix([blk + "ffn_gate.weight", blk + "ffn_up.weight"], [None, None]),
-            w2=matrix([blk + "ffn_down.weight"], [None]),
+            w13=None if moe else matrix([blk + "ffn_gate.weight", blk + "ffn_up.weight"], [None, None]),
+            w2=None if moe else matrix([blk + "ffn_down.weight"], [None]),
             qk_norm=qk_norms(_vector(file, blk + "attn_q_norm.weight", torch.float32),
                              _vector(file, blk + "attn_k_norm.weight", torch.float32)).to(vector_dtype)
             if blk + "attn_q_norm.weight" in file.tensors else None,
             **({"post_attn_norm": _vector(file, blk + "post_attention_norm.weight", vector_dtype),
                 "post_ffn_norm": _vector(file, blk + "post_ffw_norm.weight", vector_dtype)} if file.arch == "gemma3" else {}),
+            moe=_experts(file, blk, plain) if moe else None,
         ))
     _check_type(file, "token_embd.weight")
     if "output.weight" not in file.tensors:  # tied: the head's rows are the embedding
@@ -327,6 +376,8 @@ def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[Lla
 def to_device(weights: LlamaWeights, device: str) -> LlamaWeights:
     """Plain weights (``load(plain=...)``) moved to a device, the tied embedding kept one tensor."""
     def move(t):
+        if isinstance(t, Experts):
+            return t.packed(move)._replace(router=move(t.router))
         return None if t is None else t.to(device)
     head = move(weights.head)
     return LlamaWeights(

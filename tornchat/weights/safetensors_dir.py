@@ -51,6 +51,18 @@ def load(directory: Path, hf_config, quantize: str) -> tuple[LlamaConfig, LlamaW
     def norm(name: str) -> torch.Tensor:
         return rows(name) + 1 if gemma else rows(name)  # Gemma's norms scale by 1 + weight
 
+    def mlp(p: str) -> dict:
+        """A layer's MLP: gate and up stacked, and down; or a mixture of experts (Qwen3 MoE), each expert's own."""
+        if p + "mlp.gate.weight" not in tensors:
+            return {"w13": pack(torch.cat([rows(p + "mlp.gate_proj.weight"), rows(p + "mlp.up_proj.weight")])),
+                    "w2": pack(rows(p + "mlp.down_proj.weight"))}
+        experts = [f"{p}mlp.experts.{e}." for e in range(hf_config.num_experts)]
+        return {"w13": None, "w2": None, "moe": llama.Experts(
+            router=rows(p + "mlp.gate.weight"),
+            w13=tuple(pack(torch.cat([rows(e + "gate_proj.weight"), rows(e + "up_proj.weight")])) for e in experts),
+            w2=tuple(pack(rows(e + "down_proj.weight")) for e in experts),
+            top_k=hf_config.num_experts_per_tok, norm_top_k=bool(hf_config.norm_topk_prob))}
+
     layers = []
     for i in range(hf_config.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -65,12 +77,11 @@ def load(directory: Path, hf_config, quantize: str) -> tuple[LlamaConfig, LlamaW
             bqkv=bias,
             wo=pack(rows(p + "self_attn.o_proj.weight")),
             ffn_norm=norm(p + ("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight")),
-            w13=pack(torch.cat([rows(p + "mlp.gate_proj.weight"), rows(p + "mlp.up_proj.weight")])),
-            w2=pack(rows(p + "mlp.down_proj.weight")),
             qk_norm=llama.qk_norms(norm(p + "self_attn.q_norm.weight"), norm(p + "self_attn.k_norm.weight"))
             if p + "self_attn.q_norm.weight" in tensors else None,
             post_attn_norm=norm(p + "post_attention_layernorm.weight") if gemma else None,
             post_ffn_norm=norm(p + "post_feedforward_layernorm.weight") if gemma else None,
+            **mlp(p),
         ))
     tied = "lm_head.weight" not in tensors or getattr(hf_config, "tie_word_embeddings", False)
     head = quant.to_blocks(rows("model.embed_tokens.weight" if tied else "lm_head.weight"), quantize, head=True)

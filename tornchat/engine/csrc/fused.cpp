@@ -210,6 +210,7 @@ at::Tensor gated(const at::Tensor& gate_up) {
 
 at::Tensor silu_mul(const at::Tensor& gate_up) { return gated<false>(gate_up); }
 at::Tensor gelu_mul(const at::Tensor& gate_up) { return gated<true>(gate_up); }
+at::Tensor gate(const at::Tensor& gate_up, bool gelu) { return gelu ? gelu_mul(gate_up) : silu_mul(gate_up); }
 
 // Attention of n rows over the cache, computed so that row r of n gets the same bits whatever n is: each
 // row's scores, softmax and weighted sum depend only on its query and the positions 0 .. start + r it sees, in a
@@ -496,14 +497,78 @@ struct Linear {
   at::Tensor operator()(const at::Tensor& x) const { return tornchat::block_mm(x, parts, types, isa); }
 };
 
+// A mixture-of-experts MLP (llama.Experts): the router's matrix [experts, hidden] as F32 blocks, and each
+// expert's gate and up (stacked) and down projections.
+struct Experts {
+  Linear router;
+  std::vector<Linear> w13, w2;
+  int64_t top_k = 0;
+  bool norm_top_k = false;
+};
+
 struct Layer {
   at::Tensor attn_norm, ffn_norm, bqkv, qk_norm;  // bqkv, qk_norm: empty where the model has none
-  Linear wqkv, wo, w13, w2;
+  Linear wqkv, wo, w13, w2;  // w13, w2 without parts where the MLP is a mixture of experts
+  Experts moe;               // no experts where the MLP is dense
   // Gemma 3 (Forward::gemma): norms of the attention's and the MLP's outputs (or empty), and the attention window
   // (0: none), whose layers take the second RoPE table
   at::Tensor post_attn_norm, post_ffn_norm;
   int64_t window = 0;
 };
+
+// One row's routing (llama.route): the softmax of its router logits in fp32, its top_k experts, most probable
+// first (of equal ones the lower index), and their probabilities, divided by their sum where norm_top_k.
+void route_row(const float* logits, int64_t count, int64_t top_k, bool norm_top_k, int64_t* chosen, float* weights) {
+  std::vector<float> p(logits, logits + count);
+  const float top = *std::max_element(p.begin(), p.end());
+  float total = 0.f;
+  for (auto& v : p) total += v = std::exp(v - top);
+  for (auto& v : p) v /= total;
+  float kept = 0.f;
+  for (int64_t j = 0; j < top_k; ++j) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < count; ++e)
+      if (std::find(chosen, chosen + j, e) == chosen + j && (best < 0 || p[e] > p[best])) best = e;
+    chosen[j] = best, weights[j] = p[best];
+    kept += p[best];
+  }
+  if (norm_top_k)
+    for (int64_t j = 0; j < top_k; ++j) weights[j] /= kept;
+}
+
+// The mixture-of-experts MLP of rows h [rows, hidden] fp32 (llama.mixture): each row routed, then each expert's
+// matrices run once on the rows routed to it, gathered (a decode step's row reads its top_k experts' blocks and no
+// others'); a row's top_k outputs are weighted and summed in order of rank. The block kernels compute each row by
+// itself, so a row's bits do not depend on which rows share its experts.
+at::Tensor mixture(const Experts& moe, const at::Tensor& h, bool gelu) {
+  const auto logits = moe.router(h).contiguous();
+  const int64_t rows = h.size(0), hidden = h.size(1), count = logits.size(1), k = moe.top_k;
+  std::vector<int64_t> chosen(rows * k);
+  std::vector<float> weights(rows * k);
+  for (int64_t r = 0; r < rows; ++r)
+    route_row(logits.data_ptr<float>() + r * count, count, k, moe.norm_top_k, &chosen[r * k], &weights[r * k]);
+  std::vector<std::vector<int64_t>> slots(count);  // each expert's (row, rank) slots r * k + rank, in row order
+  for (int64_t s = 0; s < rows * k; ++s) slots[chosen[s]].push_back(s);
+  auto outputs = at::empty({rows * k, hidden}, h.options());
+  for (int64_t e = 0; e < count; ++e) {
+    if (slots[e].empty()) continue;
+    const auto at_slots = at::tensor(slots[e], at::kLong);
+    const auto y = moe.w2[e](gate(moe.w13[e](h.index_select(0, at::floor_divide(at_slots, k))), gelu));
+    outputs.index_copy_(0, at_slots, y);
+  }
+  auto out = at::empty({rows, hidden}, h.options());
+  const float* o = outputs.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r)
+      for (int64_t i = 0; i < hidden; ++i) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < k; ++j) sum += weights[r * k + j] * o[(r * k + j) * hidden + i];
+        dst[r * hidden + i] = sum;
+      }
+  });
+  return out;
+}
 
 // The lean forward through every layer in one call, the Python loop of llama.LlamaRunner._layers without its
 // ~25 Python-level operations per layer, which cost more than a decode step's small kernels. n rows at once
@@ -518,7 +583,7 @@ class Forward {
   Forward(const std::vector<at::Tensor>& vectors, const std::vector<std::vector<at::Tensor>>& parts,
           const std::vector<std::vector<int64_t>>& types, int64_t heads, int64_t kv_heads, double eps, double scale,
           const std::string& isa)
-      : heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale) {
+      : heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale), isa_(isa) {
     TORCH_CHECK(vectors.size() % 4 == 0 && parts.size() == vectors.size() && types.size() == parts.size(),
                 "4 vectors and 4 matrices per layer");
     for (size_t i = 0; i < vectors.size() / 4; ++i) {
@@ -538,6 +603,25 @@ class Forward {
       layers_[i].window = windows[i];
     }
     gelu_ = gelu;
+  }
+
+  // Layer i's MLP as a mixture of experts (llama.Experts): the router's parts and types (one F32 part), each
+  // expert's gate-and-up and down parts and types.
+  void set_experts(int64_t i, const std::vector<at::Tensor>& router_parts, const std::vector<int64_t>& router_types,
+                   const std::vector<std::vector<at::Tensor>>& w13_parts, const std::vector<std::vector<int64_t>>& w13_types,
+                   const std::vector<std::vector<at::Tensor>>& w2_parts, const std::vector<std::vector<int64_t>>& w2_types,
+                   int64_t top_k, bool norm_top_k) {
+    TORCH_CHECK(i >= 0 && i < static_cast<int64_t>(layers_.size()), "no layer ", i);
+    const size_t count = w13_parts.size();
+    TORCH_CHECK(count > 0 && w13_types.size() == count && w2_parts.size() == count && w2_types.size() == count,
+                "the same experts' gate-and-up and down matrices");
+    TORCH_CHECK(top_k > 0 && top_k <= static_cast<int64_t>(count), "top_k must be 1 .. experts");
+    Experts moe{Linear{router_parts, router_types, isa_}, {}, {}, top_k, norm_top_k};
+    for (size_t e = 0; e < count; ++e) {
+      moe.w13.push_back(Linear{w13_parts[e], w13_types[e], isa_});
+      moe.w2.push_back(Linear{w2_parts[e], w2_types[e], isa_});
+    }
+    layers_[i].moe = std::move(moe);
   }
 
   // x [rows, hidden] fp32, the tokens' embeddings: sequence s's counts[s] rows, one after another, at positions
@@ -574,8 +658,8 @@ class Forward {
       const auto q = seqs == 1 ? queries[0] : at::cat(queries);
       auto out = layer.wo(attend_many(q, keys, values, starts, counts, scale_, layer.window));
       x = x + (layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out);
-      const auto h = layer.w13(rms_norm(x, layer.ffn_norm, eps_, false));
-      out = layer.w2(gelu_ ? gelu_mul(h) : silu_mul(h));
+      const auto h = rms_norm(x, layer.ffn_norm, eps_, false);
+      out = layer.moe.w13.empty() ? layer.w2(gate(layer.w13(h), gelu_)) : mixture(layer.moe, h, gelu_);
       x = x + (layer.post_ffn_norm.numel() ? rms_norm(out, layer.post_ffn_norm, eps_, false) : out);
     }
     return x;
@@ -586,6 +670,7 @@ class Forward {
   int64_t heads_, kv_heads_;
   double eps_, scale_;
   bool gelu_ = false;
+  std::string isa_;
 };
 
 }  // namespace
@@ -608,6 +693,7 @@ PYBIND11_MODULE(_fused, m) {
                           const std::string&>())
       // Without the GIL: the server's IOLoop thread keeps answering and streaming during a step.
       .def("gemma", &Forward::gemma)
+      .def("set_experts", &Forward::set_experts)
       .def("forward", &Forward::forward, pybind11::arg("x"), pybind11::arg("kvs"), pybind11::arg("freqs"),
            pybind11::arg("starts"), pybind11::arg("counts"), pybind11::arg("local_freqs") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>());
