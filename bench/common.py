@@ -45,8 +45,11 @@ def stamp() -> str:
 
 def write_results(path: Path, record: dict) -> Path:
     """``record`` as indented JSON at ``path`` (its folder made), with the CPU (model name and the flags that
-    decide kernel speed) and the date it was written in it: a figure is only read against its machine."""
+    decide kernel speed) and the date it was written in it, and in each row of its lists of rows: a figure is
+    only read against its machine, also when a row is copied out alone."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    written = {"cpu": describe(), "date": datetime.now().isoformat(timespec="seconds"), **record}
+    stamp = {"cpu": describe(), "date": datetime.now().isoformat(timespec="seconds")}
+    written = stamp | {key: [stamp | row if isinstance(row, dict) else row for row in value] if isinstance(value, list)
+                       else value for key, value in record.items()}
     path.write_text(json.dumps(written, indent=2))
     return path

@@ -272,7 +272,8 @@ def test_slot_pool_rejects_zero_slots(tiny_model):
 
 def test_the_model_is_built_on_the_thread_that_serves_it(tiny_checkpoint, monkeypatch):
     """One thread does all model work: with OpenMP, a second thread running torch ops brings a second
-    team of threads, and on 2 cores that cost 40% of decode speed."""
+    team of threads, which on few cores slows every step (docs/performance.md, figures behind the code's
+    choices)."""
     from tornchat.config import Config
     from tornchat import build
 
