@@ -121,7 +121,8 @@ def test_out_of_memory_mid_stream_reaches_the_sdk_as_an_error(out_of_memory):
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(tiny_checkpoint):
-    with servers.running("--checkpoint-path", tiny_checkpoint) as server:
+    # --parallel 1: the plain request must wait in the queue behind the stream, not decode beside it.
+    with servers.running("--checkpoint-path", tiny_checkpoint, "--parallel", "1") as server:
         # One stream running (random weights do not stop by themselves), one plain request queued behind it.
         conn = servers.connect(server.url, timeout=30)
         conn.request("POST", "/v1/chat/completions", json.dumps({**ASK, "max_tokens": 4000, "stream": True}))
