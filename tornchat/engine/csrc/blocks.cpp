@@ -841,6 +841,76 @@ inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* 
     }
   }
 }
+
+// One row (a decode step, where no other row shares a transpose of the weights): each column's blocks stay in
+// their own order, two blocks per 512-bit VPDPBUSD against the activations as quantized (Acts::q), and the 16
+// lanes of 4-feature sums each gives are folded into the blocks' dots (Q6_K: their two halves' dots). The same
+// exact int32 dots as quant_group's, then its very fp32 operations: the same bits, in about half the vector
+// instructions (no 8 x 8 transpose per group and column).
+template <int64_t T, int NJ>
+inline __attribute__((always_inline)) __m512i pair_levels(const uint8_t* row, int64_t g, int nj, int i) {
+  if constexpr (T == Q4_K) {  // blocks 2i and 2i + 1 are the low and high nibbles of the same 32 bytes
+    const __m512i qs = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 144 + 16 + 32 * i)));
+    return _mm512_and_si512(_mm512_mask_srli_epi16(qs, 0xFFFF0000u, qs, 4), _mm512_set1_epi8(0x0F));
+  } else {
+    if (NJ) nj = NJ;
+    const __m256i first = 2 * i < nj ? levels<T>(row, g, 2 * i) : _mm256_setzero_si256();
+    const __m256i second = 2 * i + 1 < nj ? levels<T>(row, g, 2 * i + 1) : _mm256_setzero_si256();
+    return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+  }
+}
+
+template <int64_t T, int NJ>
+inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const* w, int64_t g, int nj,
+                                                           const int8_t* q, const RowPtrs& x, __m256* acc) {
+  constexpr int sh = offset_shift(T);
+  if (NJ) nj = NJ;
+  // lanes (block 2i + e, first or second 16 features) of the folded sums -> [first 16 of blocks 0..7 | second 16]
+  const __m512i halves_order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+  const __m256 d = _mm256_loadu_ps(x.d + g * 8);
+#pragma GCC unroll 4
+  for (int c = 0; c < COLS; ++c) {
+    for (int off = 0; off < group_bytes(T); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w[c] + g * group_bytes(T) + PREFETCH + off), _MM_HINT_T0);
+    __m256 ws, wm, lo, hi;
+    meta<T>(w[c], g, nj, ws, wm, lo, hi);
+    __m512i p[4];  // pair i: lanes 0-7 block 2i's 4-feature sums in feature order, lanes 8-15 block 2i + 1's
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      __m512i u = pair_levels<T, NJ>(w[c], g, nj, i);
+      if constexpr (T == Q8_0) u = _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
+      __m512i xq;
+      if (NJ == 8) {
+        xq = _mm512_loadu_si512(q + g * 256 + 64 * i);
+      } else {  // a short last group: nothing past the row's K is read (zeros there, as in Acts::qt)
+        const int valid = std::max(0, std::min(64, nj * 32 - 64 * i));
+        xq = _mm512_maskz_loadu_epi8(valid == 64 ? ~0ULL : (1ULL << valid) - 1, q + g * 256 + 64 * i);
+      }
+      p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xq);
+    }
+    // 128-bit lane L of s holds, for pairs 0..3, the sums over their features 16L .. 16L + 15
+    const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+    const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+    const __m512i s = _mm512_permutexvar_epi32(
+        halves_order, _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23)));
+    const __m256i first = _mm512_castsi512_si256(s), second = _mm512_extracti64x4_epi64(s, 1);
+    __m256 a = acc[c];
+    if constexpr (T == Q6_K) {
+      const __m256i f = _mm256_add_epi32(first, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.first + g * 8)), sh));
+      const __m256i h = _mm256_add_epi32(second, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.second + g * 8)), sh));
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(f), _mm256_mul_ps(lo, d), a);
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(hi, d), a);
+    } else {
+      __m256i sum = _mm256_add_epi32(first, second);
+      if constexpr (sh >= 0 || T == Q8_0)
+        sum = _mm256_add_epi32(sum, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.sums + g * 8)), sh >= 0 ? sh : 7));
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, d), a);
+    }
+    if constexpr (has_min(T)) a = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x.ds + g * 8), a);
+    acc[c] = a;
+  }
+}
 #endif
 
 template <int64_t T, int R>
@@ -856,10 +926,11 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
   const int64_t full = jb.nb / 8;
   __m256 acc[R][C];
 #if PASS_VNNI == 2
-  if constexpr (R == 1) {  // one row: the 256-bit code, without the 512-bit one's joining of two columns
+  if constexpr (R == 1) {  // one row: its blocks in their own order (quant_group_row)
+    const int8_t* q = a.q.data() + rows[0] * a.k;
     for (int c = 0; c < C; ++c) acc[0][c] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < full; ++g) quant_group<T, R, 8>(w, g, 8, x, acc);
-    if (jb.nb % 8) quant_group<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc);
+    for (int64_t g = 0; g < full; ++g) quant_group_row<T, 8>(w, g, 8, q, x[0], acc[0]);
+    if (jb.nb % 8) quant_group_row<T, 0>(w, full, static_cast<int>(jb.nb % 8), q, x[0], acc[0]);
     for (int c = 0; c < C; ++c) out[c][0] = lanes8(acc[0][c]);
     return;
   }
