@@ -41,10 +41,13 @@
 // generic path is plain C++ and the only one elsewhere. Threads split the output columns (at::parallel_for),
 // never K. Each kernel computes a tile of R rows by 4 columns: every weight block is unpacked and transposed
 // once for the R rows (R up to 8, AVX-512 16), each (row, column) its own chain. AVX-512 holds two columns
-// per 512-bit register, each half doing the 256-bit operations (one row alone takes the 256-bit code).
-// Weights are prefetched PREFETCH bytes ahead. The "amx" path is avx512vnni's with every 16 rows on AMX
-// tiles: TDPBUSD gives one block's exact dots for 16 columns x 16 rows, then the same fp32 operations
-// (amx_columns), so it too gives the same bits; block_isas() lists it first where the CPU and the kernel
+// per 512-bit register, each half doing the 256-bit operations. Two AVX-512 kernels skip that transpose
+// where it does not pay: one row alone (a decode step) folds each column's blocks in their own order
+// (quant_group_row), and from PANEL_ROWS rows (a prefill chunk) the columns are unpacked once into panels of
+// 16 that one VPDPBUSD takes against a row's broadcast activations (vnni_columns). Weights are prefetched
+// PREFETCH bytes ahead. The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one
+// block's exact dots for 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same
+// panels), so it too gives the same bits; block_isas() lists it first where the CPU and the kernel
 // (arch_prctl ARCH_REQ_XCOMP_PERM) allow it. TORNCHAT_ISA=avx512vnni turns it off.
 #ifndef TORNCHAT_BLOCKS_PASS
 #include "blocks.h"
@@ -74,6 +77,7 @@ namespace blocks_detail {
 
 constexpr int64_t QK = 32;  // features per activation block
 constexpr int COLS = 4;  // output columns per kernel tile
+constexpr int64_t PANEL_ROWS = 32;  // rows from which the avx512vnni path unpacks columns into panels (vnni_columns)
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -514,9 +518,10 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
   if (any_quant && isa == Isa::amx && rows >= 16) tile_rows(acts);
   acts.rows = rows, acts.k = k;
 
-  // Chunks of columns, each within one part, that the threads share (the amx path's: wider, each unpacked
-  // once for all the rows).
-  const int64_t CHUNK = isa == Isa::amx && rows >= 16 && any_quant ? 128 : 32;
+  // Chunks of columns, each within one part, that the threads share (wider where columns are unpacked into
+  // panels once for all the rows: the amx path, and avx512vnni from PANEL_ROWS rows).
+  const bool panels = any_quant && ((isa == Isa::amx && rows >= 16) || (isa == Isa::avx512vnni && rows >= PANEL_ROWS));
+  const int64_t CHUNK = panels ? 128 : 32;
   std::vector<Job> jobs;
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (job, first column)
   int64_t offset = 0;
@@ -995,6 +1000,117 @@ void tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* co
   }
 }
 
+#if PASS_VNNI == 2
+// The columns c0..c1 unpacked once per call for the many-row kernels, in panels of 16 columns (the last one
+// repeats the last column): per panel and block, the 16 columns' levels (Q8_0's made unsigned) and their
+// scales ws, wm, lo, hi (scales[block][f * 16 + column]). by_step: levels as [step t][column][4 features], the
+// layout a VPDPBUSD over 16 columns takes; else as [column][32 features], the layout AMX tiles take.
+template <int64_t T>
+void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& levels16, std::vector<float>& scales,
+                 bool by_step) {
+  const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16;
+  levels16.resize(panels * nb * 512);
+  scales.resize(panels * nb * 64);
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint8_t* w[16];
+    for (int i = 0; i < 16; ++i) w[i] = jb.w + std::min(c0 + 16 * p + i, c1 - 1) * jb.row_bytes;
+    uint8_t* lv16 = levels16.data() + p * nb * 512;
+    float* sc16 = scales.data() + p * nb * 64;
+    for (int64_t g = 0; g < (nb + 7) / 8; ++g) {
+      const int nj = static_cast<int>(std::min<int64_t>(8, nb - g * 8));
+      for (int i = 0; i < 16; ++i) {
+        __m256 m[4];
+        meta<T>(w[i], g, nj, m[0], m[1], m[2], m[3]);
+        alignas(32) float tmp[4][8];
+        for (int f = 0; f < 4; ++f) _mm256_store_ps(tmp[f], m[f]);
+        for (int j = 0; j < nj; ++j) {
+          for (int f = 0; f < 4; ++f) sc16[(g * 8 + j) * 64 + f * 16 + i] = tmp[f][j];
+          __m256i v = levels<T>(w[i], g, j);
+          if (T == Q8_0) v = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
+          uint8_t* block = lv16 + (g * 8 + j) * 512;
+          if (by_step) {
+            alignas(32) uint8_t bytes[32];
+            _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), v);
+            for (int t = 0; t < 8; ++t) std::memcpy(block + 64 * t + 4 * i, bytes + 4 * t, 4);
+          } else {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(block + 32 * i), v);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Many rows on AVX-512 without AMX (a prefill chunk): one 512-bit VPDPBUSD takes features 4t..4t+3 of a panel's
+// 16 columns (pack_panels, by step) against one row's 4 activations broadcast, so that its 16 lanes are 16
+// columns of one row and the fp32 work per block is a few instructions for 16 (row, column) chains, not for
+// one. Each chain takes exactly the vector code's fp32 operations, lane j's blocks j, j + 8, ... in order,
+// then the same sum of the 8 lanes: the same bits. Rows in tiles of PANEL_TILE, each panel's levels loaded
+// once per block for the tile's rows.
+constexpr int PANEL_TILE = 8;
+
+template <int64_t T>
+void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows) {
+  const Acts& a = *jb.a;
+  const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16;
+  constexpr int sh = offset_shift(T);
+  thread_local std::vector<uint8_t> levels16;
+  thread_local std::vector<float> scales;
+  pack_panels<T>(jb, c0, c1, levels16, scales, true);
+  const auto word = [&](int64_t r, int64_t b, int t) {  // one row's activations 4t..4t+3 of block b, broadcast
+    int32_t w;
+    std::memcpy(&w, a.q.data() + r * a.k + b * QK + 4 * t, 4);
+    return _mm512_set1_epi32(w);
+  };
+  alignas(64) float result[8][PANEL_TILE][16];  // [lane j][row][column]
+  for (int64_t r0 = 0; r0 < rows; r0 += PANEL_TILE)
+    for (int64_t p = 0; p < panels; ++p) {
+      const uint8_t* lv16 = levels16.data() + p * nb * 512;
+      const float* sc16 = scales.data() + p * nb * 64;
+      for (int j = 0; j < 8; ++j) {
+        __m512 acc[PANEL_TILE];
+        for (int m = 0; m < PANEL_TILE; ++m) acc[m] = _mm512_setzero_ps();
+        for (int64_t b = j; b < nb; b += 8) {
+          __m512i lv[8];
+          for (int t = 0; t < 8; ++t) lv[t] = _mm512_loadu_si512(lv16 + b * 512 + 64 * t);
+          const float* sc = sc16 + b * 64;
+          const __m512 ws = _mm512_loadu_ps(sc), wm = _mm512_loadu_ps(sc + 16);
+          const __m512 lo = _mm512_loadu_ps(sc + 32), hi = _mm512_loadu_ps(sc + 48);
+#pragma GCC unroll 8
+          for (int m = 0; m < PANEL_TILE; ++m) {
+            const int64_t r = r0 + m, at = r * a.nbp + b;
+            const __m512 d = _mm512_set1_ps(a.d[at]);
+            if constexpr (T == Q6_K) {
+              __m512i first = _mm512_set1_epi32(a.neg_first[at] * (1 << sh));
+              __m512i second = _mm512_set1_epi32(a.neg_second[at] * (1 << sh));
+              for (int t = 0; t < 4; ++t) first = _mm512_dpbusd_epi32(first, lv[t], word(r, b, t));
+              for (int t = 4; t < 8; ++t) second = _mm512_dpbusd_epi32(second, lv[t], word(r, b, t));
+              acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), _mm512_mul_ps(lo, d), acc[m]);
+              acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_mul_ps(hi, d), acc[m]);
+            } else {
+              __m512i sum = _mm512_set1_epi32(sh >= 0 ? a.neg_sums[at] * (1 << (sh >= 0 ? sh : 0))
+                                                      : T == Q8_0 ? a.neg_sums[at] * 128 : 0);
+              for (int t = 0; t < 8; ++t) sum = _mm512_dpbusd_epi32(sum, lv[t], word(r, b, t));
+              acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(ws, d), acc[m]);
+            }
+            if constexpr (has_min(T)) acc[m] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.ds[at]), acc[m]);
+          }
+        }
+        for (int m = 0; m < PANEL_TILE; ++m) _mm512_store_ps(result[j][m], acc[m]);
+      }
+      const int64_t c = c0 + 16 * p;
+      const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, c1 - c)) - 1);
+      for (int m = 0; m < PANEL_TILE; ++m) {
+#define l(j) _mm512_load_ps(result[j][m])
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l(0), l(4)), _mm512_add_ps(l(2), l(6))),
+                                         _mm512_add_ps(_mm512_add_ps(l(1), l(5)), _mm512_add_ps(l(3), l(7))));
+#undef l
+        _mm512_mask_storeu_ps(jb.out + (r0 + m) * jb.n_total + jb.col_offset + c, valid, sum);
+      }
+    }
+}
+#endif
+
 #if PASS_VNNI == 2 && defined(__linux__)
 // AMX (the amx path): TDPBUSD gives 16 rows x 16 columns of one 32-feature block's exact dots at once, which
 // then take exactly the fp32 operations of the vector code, per column in lane j = b % 8 (the same bits).
@@ -1021,29 +1137,7 @@ AMX_TARGET void amx_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows1
   const int64_t panels = (c1 - c0 + 15) / 16;
   thread_local std::vector<uint8_t> levels16;  // per panel of 16 columns and block: 16 columns x 32 levels
   thread_local std::vector<float> scales;  // per panel and block: ws, wm, lo, hi of each column
-  levels16.resize(panels * nb * 512);
-  scales.resize(panels * nb * 64);
-  for (int64_t p = 0; p < panels; ++p) {
-    const uint8_t* w[16];
-    for (int i = 0; i < 16; ++i) w[i] = jb.w + std::min(c0 + 16 * p + i, c1 - 1) * jb.row_bytes;
-    uint8_t* lv16 = levels16.data() + p * nb * 512;
-    float* sc16 = scales.data() + p * nb * 64;
-    for (int64_t g = 0; g < (nb + 7) / 8; ++g) {
-      const int nj = static_cast<int>(std::min<int64_t>(8, nb - g * 8));
-      for (int i = 0; i < 16; ++i) {
-        __m256 m[4];
-        meta<T>(w[i], g, nj, m[0], m[1], m[2], m[3]);
-        alignas(32) float tmp[4][8];
-        for (int f = 0; f < 4; ++f) _mm256_store_ps(tmp[f], m[f]);
-        for (int j = 0; j < nj; ++j) {
-          for (int f = 0; f < 4; ++f) sc16[(g * 8 + j) * 64 + f * 16 + i] = tmp[f][j];
-          __m256i v = levels<T>(w[i], g, j);
-          if (T == Q8_0) v = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(lv16 + (g * 8 + j) * 512 + 32 * i), v);
-        }
-      }
-    }
-  }
+  pack_panels<T>(jb, c0, c1, levels16, scales, false);
   // TDPBUSD: a dots tile [16 columns][16 rows] int32 (from zero; the rows' -offset * sums are added in the
   // fp32 loop) += a levels tile (unsigned: [16 columns][32 or 16 features]) times an
   // activations tile (signed: [features / 4][16 rows x 4 features]). Blocks go through a ring of NT turns,
@@ -1164,6 +1258,14 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
     if (jb.amx && nrows >= 16) {
       first_row = nrows / 16 * 16;
       amx_columns<T>(jb, c0, c1, first_row);
+    }
+  }
+#endif
+#if PASS_VNNI == 2
+  if constexpr (!is_float(T)) {
+    if (!jb.amx && nrows >= PANEL_ROWS) {
+      first_row = nrows / PANEL_TILE * PANEL_TILE;
+      vnni_columns<T>(jb, c0, c1, first_row);
     }
   }
 #endif
