@@ -139,6 +139,21 @@ def test_paths_agree_on_many_rows(type_name):
     check_close(x[:3], [part], [type_name], outs["generic"][:3])
 
 
+@pytest.mark.parametrize("type_name", QUANTIZED)
+def test_one_row_is_its_row_of_many(type_name):
+    """A decode step's lone row (AVX-512: its blocks folded in their own order) gives what the same row gets
+    among 5 and among 37 (the tiles, the panels): on every path, every type, a short last group of 8 too."""
+    k = k_for(type_name)
+    part = make_part(type_name, 37, k, seed=23)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(24))
+    want = blocks.mm(x, [part], [type_name], "generic")
+    for isa in isas():
+        assert torch.equal(blocks.mm(x, [part], [type_name], isa), want), isa
+        assert torch.equal(blocks.mm(x[:5], [part], [type_name], isa), want[:5]), isa
+        for r in (0, 4, 36):
+            assert torch.equal(blocks.mm(x[r : r + 1], [part], [type_name], isa), want[r : r + 1]), (isa, r)
+
+
 def stacked_parts():
     """Q4_K_M's qkv: Q4_K q and k, Q6_K v; with a Q8_0 part for good measure."""
     return [make_part("Q4_K", 24, 512, 5), make_part("Q4_K", 8, 512, 6), make_part("Q6_K", 9, 512, 7),

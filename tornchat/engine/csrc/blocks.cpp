@@ -858,6 +858,14 @@ inline __attribute__((always_inline)) __m512i pair_levels(const uint8_t* row, in
     const __m512i qs = _mm512_broadcast_i64x4(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 144 + 16 + 32 * i)));
     return _mm512_and_si512(_mm512_mask_srli_epi16(qs, 0xFFFF0000u, qs, 4), _mm512_set1_epi8(0x0F));
+  } else if constexpr (T == Q4_0 || T == Q4_1) {  // each block's 16 bytes: low nibbles, then high ones
+    if (NJ) nj = NJ;
+    constexpr int bytes = T == Q4_0 ? 18 : 20, at = T == Q4_0 ? 2 : 4;
+    const uint8_t* first = row + (g * 8 + 2 * i) * bytes + at;
+    const __m128i second = 2 * i + 1 < nj ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(first + bytes)) : _mm_setzero_si128();
+    const __m256i both = _mm256_set_m128i(second, 2 * i < nj ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(first)) : _mm_setzero_si128());
+    const __m512i qs = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(both));
+    return _mm512_and_si512(_mm512_mask_srli_epi16(qs, 0xFF00FF00u, qs, 4), _mm512_set1_epi8(0x0F));
   } else {
     if (NJ) nj = NJ;
     const __m256i first = 2 * i < nj ? levels<T>(row, g, 2 * i) : _mm256_setzero_si256();
