@@ -129,10 +129,11 @@ def test_fixed_fp32_order(type_name):
 
 @pytest.mark.parametrize("type_name", QUANTIZED)
 def test_paths_agree_on_many_rows(type_name):
-    """37 rows: the amx path's tiles of 16 rows and its 5 rows left over, and the vector paths' row tiles."""
+    """70 rows: the amx path's tiles of 16 rows and its 6 rows left over, the avx512vnni path's panels (64 rows)
+    and its 6 left over, and the vector paths' row tiles."""
     k = k_for(type_name)
     part = make_part(type_name, 37, k, seed=19)
-    x = torch.randn(37, k, generator=torch.Generator().manual_seed(20))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(20))
     outs = {isa: blocks.mm(x, [part], [type_name], isa) for isa in isas()}
     for isa, out in outs.items():
         assert torch.equal(out, outs["generic"]), isa
@@ -142,15 +143,15 @@ def test_paths_agree_on_many_rows(type_name):
 @pytest.mark.parametrize("type_name", QUANTIZED)
 def test_one_row_is_its_row_of_many(type_name):
     """A decode step's lone row (AVX-512: its blocks folded in their own order) gives what the same row gets
-    among 5 and among 37 (the tiles, the panels): on every path, every type, a short last group of 8 too."""
+    among 5 and among 70 (the tiles, the panels): on every path, every type, a short last group of 8 too."""
     k = k_for(type_name)
     part = make_part(type_name, 37, k, seed=23)
-    x = torch.randn(37, k, generator=torch.Generator().manual_seed(24))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(24))
     want = blocks.mm(x, [part], [type_name], "generic")
     for isa in isas():
         assert torch.equal(blocks.mm(x, [part], [type_name], isa), want), isa
         assert torch.equal(blocks.mm(x[:5], [part], [type_name], isa), want[:5]), isa
-        for r in (0, 4, 36):
+        for r in (0, 4, 69):
             assert torch.equal(blocks.mm(x[r : r + 1], [part], [type_name], isa), want[r : r + 1]), (isa, r)
 
 
