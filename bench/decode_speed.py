@@ -18,7 +18,7 @@ attention, the rest). Then the quality of each: per-position greedy
 agreement with fp32 (both fed fp32's choice) over fixed prompts, and
 perplexity on a fixed text, against the dequantized file.
 
-    python -m bench.decode_speed [--checkpoint-path FILE.gguf] [--threads 2] [--steps 64] [--rounds 3]
+    python -m bench.decode_speed [--checkpoint-path FILE.gguf] [--threads 2] [--steps 64] [--rounds 3] [--isa avx2,...]
 """
 import argparse
 import importlib.util
@@ -155,6 +155,8 @@ def main() -> None:
     parser.add_argument("--ppl-tokens", type=int, default=256, help="tokens of the perplexity text")
     parser.add_argument("--no-reference", action="store_true", help="skip the fp32 reference (4 bytes per weight)")
     parser.add_argument("--formats", action="store_true", help="also each --quantize format packed from fp32")
+    parser.add_argument("--isa", help="comma-separated instruction-set paths to run (default: every one this CPU has; "
+                                      "the generic path's prefill of a 1B model takes many minutes)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -166,7 +168,8 @@ def main() -> None:
     runners = {}
     if not args.no_reference or args.formats:
         runners["fp32 (the file dequantized)"] = llama.LlamaRunner(*gguf_file.load(path, plain=torch.float32))
-    for isa in blocks.isas():
+    isas = args.isa.split(",") if args.isa else blocks.isas()
+    for isa in isas:
         runners[f"the file's blocks, {isa}"] = llama.LlamaRunner(config, weights, isa=isa)
     loop = llama.LlamaRunner(config, weights)
     loop.step = None  # the block kernels called from the Python layer loop, SDPA attention
@@ -215,7 +218,8 @@ def main() -> None:
           "run inside one call, so only the Python loop splits):")
     print("| forward | step | matmuls | attention | rest: per-op overhead | overhead share |")
     print("|---|---|---|---|---|---|")
-    for name, runner in (("C++ forward", runners[f"the file's blocks, {blocks.isa()}"]), ("Python loop", loop)):
+    stepped = blocks.isa() if blocks.isa() in isas else isas[0]
+    for name, runner in (("C++ forward", runners[f"the file's blocks, {stepped}"]), ("Python loop", loop)):
         parts = step_breakdown(runner, prompt, args.steps)
         print(f"| {name} | {parts['wall']:.2f} | {parts['matmul']:.2f} | {parts['attention']:.2f} | {parts['other']:.2f} "
               f"| {parts['other'] / parts['wall']:.0%} |")

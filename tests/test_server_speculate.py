@@ -55,11 +55,10 @@ def test_same_reply_with_speculation_on_and_off_and_the_details_in_usage(servers
     assert after["tornchat_engine_drafted_tokens_total"] - before["tornchat_engine_drafted_tokens_total"] == drafted
     assert (after["tornchat_engine_accepted_tokens_total"] - before["tornchat_engine_accepted_tokens_total"]
             == details[0].accepted_prediction_tokens)
-    # The reply itself as the prediction: its drafts accepted (how much of FUNCTION a reply copies is the
-    # model's choice). Not necessarily the same reply: this one reuses the first's cached prompt and computes
-    # only its last token, as a one-row step, whose bits differ from the prefill chunk's that computed it first;
-    # a near-tie later can turn on that.
+    # The reply itself as the prediction: the same reply (its prompt now comes from the KV slot, and every row
+    # gets the same bits however it arrives), its drafts accepted.
     again = reply(on, text)
+    assert again.choices[0].message.content == text
     assert again.usage.completion_tokens_details.accepted_prediction_tokens > 0
 
 
@@ -81,15 +80,14 @@ def test_prediction_as_text_parts_and_on_completions(servers_on_off):
     parts = {"type": "content", "content": [{"type": "text", "text": FUNCTION[:100]}, {"type": "text", "text": FUNCTION[100:]}]}
     reply = client.chat.completions.create(model="m", messages=EDIT, max_tokens=60, temperature=0, prediction=parts)
     assert reply.usage.completion_tokens_details.accepted_prediction_tokens > 0
-    # The completion's own greedy text as the prediction: accepted whatever the model writes (what it makes of
-    # a half-copied function turned on near-ties between the cache's dtypes). The two replies may differ past a
-    # near-tie (the second reuses the first's cached prompt, as above), so only acceptance is asserted.
+    # The completion's own greedy text as the prediction: the same text again, its drafts accepted.
     body = {"model": "m", "prompt": FUNCTION + "\n" + FUNCTION[:40], "max_tokens": 30, "temperature": 0}
     plain = servers.request(on.url, "POST", "/v1/completions", body, {"Content-Type": "application/json"})
     predicted = servers.request(on.url, "POST", "/v1/completions", {
         **body, "prediction": {"type": "content", "content": plain.json()["choices"][0]["text"]}},
         {"Content-Type": "application/json"})
     assert predicted.status == 200
+    assert predicted.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
     assert predicted.json()["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
 
 
