@@ -1,0 +1,69 @@
+"""Decode rate against llama-server in alternating rounds, for a machine whose speed drifts.
+
+bench/e2e.py runs each system once, one after the other: on a shared machine
+whose memory bandwidth moves with other tenants' load (46 to 79 GB/s within
+one session on an AMD Zen 5), the two halves of a run can land in different
+phases and the ratio with them. Here tornchat (its defaults) and llama-server
+take turns, a fresh server each round, on the same file and threads, each
+decoding e2e's short workload (3 topics, 128 greedy tokens, streamed through
+the openai SDK); each round's ratio compares neighbours in time, and the
+median over rounds is the figure to report.
+
+    python -m bench.decode_rounds [--checkpoint-path FILE.gguf] [--rounds 4] [--threads 2]
+"""
+import argparse
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+
+from bench import e2e, servers, workloads
+from bench.common import free_port
+from tornchat import checkpoint
+from tornchat.engine.cpu import describe
+
+
+def decode_rate(make_system: Callable[[int], e2e.System], threads: int, tokenizer) -> float:
+    """The median decode tokens/s over the short workload's topics, on a fresh server on a free port."""
+    port = free_port()
+    system = make_system(port)
+    server = e2e.launch(system, port, threads)
+    try:
+        servers.wait_ready(server, 300)
+        client = openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)
+        rates = [e2e.stream_once(client, system.model, workloads.short_messages(i), workloads.FULL.short_max_tokens,
+                                 tokenizer)["decode_tok_s"] for i in range(workloads.FULL.short_repeats)]
+    finally:
+        servers.stop(server)
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint-path", type=Path, help="a GGUF file (default: the embedded model)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-server", help="llama-server binary (default as bench/e2e.py)")
+    args = parser.parse_args()
+    model = args.checkpoint_path or checkpoint.default_gguf_path()
+    llama_server = e2e.find_llama_server(args.llama_server)
+    if problem := e2e.llama_server_problem(llama_server):
+        raise SystemExit(problem)
+    tokenizer = checkpoint.load(str(model), model_impl="lean").tokenizer
+    print(f"CPU: {describe()}; {args.threads} threads; {model.name}; llama-server "
+          f"{e2e.llama_server_version(llama_server)}")
+    print("| round | tornchat tok/s | llama-server tok/s | ratio |\n|---|---|---|---|")
+    ratios = []
+    for round_ in range(1, args.rounds + 1):
+        ours = decode_rate(lambda port: e2e.tornchat_systems(args.threads, port, model)[0], args.threads, tokenizer)
+        theirs = decode_rate(lambda port: e2e.llamacpp_system(args.threads, port, model, llama_server), args.threads,
+                             tokenizer)
+        ratios.append(ours / theirs)
+        print(f"| {round_} | {ours:.1f} | {theirs:.1f} | {ratios[-1]:.2f}x |", flush=True)
+    print(f"median ratio over {args.rounds} rounds: {statistics.median(ratios):.2f}x "
+          f"(range {min(ratios):.2f}x to {max(ratios):.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
