@@ -77,8 +77,9 @@ namespace blocks_detail {
 
 constexpr int64_t QK = 32;  // features per activation block
 constexpr int COLS = 4;  // output columns per kernel tile
-constexpr int64_t PANEL_ROWS = 64;  // rows from which the avx512vnni path unpacks columns into panels (vnni_columns):
-// below it the unpacking costs more than the panels save (1B gate+up on a Zen 5: even at 64 rows, 1.4x faster at 512)
+// Rows from which the avx512vnni path unpacks columns into panels (vnni_columns): below it the unpacking costs
+// more than the panels save (measured: docs/performance.md, "The many-row panels").
+constexpr int64_t PANEL_ROWS = 64;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
