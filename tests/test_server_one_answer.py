@@ -98,9 +98,10 @@ def test_a_prediction_of_the_reply_is_drafted_and_accepted(client):
     """--speculate lookup with the reply itself as the prediction: drafts from the first step, none rejected.
 
     How long each draft is depends on the verify costs this machine measured; that every verify drafts at
-    least one token of a matching prediction does not (speculate.Drafter.propose), so a reply of n tokens
-    takes n // 2 forwards at most: the first token comes from the prefill, then each verify gives two or
-    more, and the last step drafts nothing. Longer drafts at known costs: tests/test_speculate.py."""
+    least one token of a matching prediction does not (speculate.Drafter.propose). The first token comes
+    from the prefill's logits, each verify after it then gives two tokens or more, and only one at the last
+    step drafts nothing: at least (n - 2) // 2 drafts accepted in a reply of n tokens. Longer drafts at known
+    costs: tests/test_speculate.py."""
     messages = [{"role": "user", "content": PROMPTS[5]}]
     first = ask(client, messages, max_tokens=48)
     reply = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=48,
