@@ -22,6 +22,7 @@ from bench import e2e, servers, workloads
 from bench.common import free_port
 from tornchat import checkpoint
 from tornchat.engine.cpu import describe
+from tornchat.weights import gguf_file
 
 
 def decode_rate(make_system: Callable[[int], e2e.System], threads: int, tokenizer) -> float:
@@ -50,7 +51,7 @@ def main() -> None:
     llama_server = e2e.find_llama_server(args.llama_server)
     if problem := e2e.llama_server_problem(llama_server):
         raise SystemExit(problem)
-    tokenizer = checkpoint.load(str(model), model_impl="lean").tokenizer
+    tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(model))  # the header only, as bench/e2e.py
     print(f"CPU: {describe()}; {args.threads} threads; {model.name}; llama-server "
           f"{e2e.llama_server_version(llama_server)}")
     print("| round | tornchat tok/s | llama-server tok/s | ratio |\n|---|---|---|---|")

@@ -1064,6 +1064,8 @@ void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows) {
   const Acts& a = *jb.a;
   const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16;
   constexpr int sh = offset_shift(T);
+  // what -s is multiplied by to start a block's dot: the offset the levels carry (Q8_0's 128: made unsigned)
+  constexpr int32_t offset = sh >= 0 ? 1 << sh : T == Q8_0 ? 128 : 0;
   thread_local std::vector<uint8_t> levels16;
   thread_local std::vector<float> scales;
   pack_panels<T>(jb, c0, c1, levels16, scales, true);
@@ -1091,15 +1093,14 @@ void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows) {
             const int64_t r = r0 + m, at = r * a.nbp + b;
             const __m512 d = _mm512_set1_ps(a.d[at]);
             if constexpr (T == Q6_K) {
-              __m512i first = _mm512_set1_epi32(a.neg_first[at] * (1 << sh));
-              __m512i second = _mm512_set1_epi32(a.neg_second[at] * (1 << sh));
+              __m512i first = _mm512_set1_epi32(a.neg_first[at] * offset);
+              __m512i second = _mm512_set1_epi32(a.neg_second[at] * offset);
               for (int t = 0; t < 4; ++t) first = _mm512_dpbusd_epi32(first, lv[t], word(r, b, t));
               for (int t = 4; t < 8; ++t) second = _mm512_dpbusd_epi32(second, lv[t], word(r, b, t));
               acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), _mm512_mul_ps(lo, d), acc[m]);
               acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_mul_ps(hi, d), acc[m]);
             } else {
-              __m512i sum = _mm512_set1_epi32(sh >= 0 ? a.neg_sums[at] * (1 << (sh >= 0 ? sh : 0))
-                                                      : T == Q8_0 ? a.neg_sums[at] * 128 : 0);
+              __m512i sum = _mm512_set1_epi32(a.neg_sums[at] * offset);
               for (int t = 0; t < 8; ++t) sum = _mm512_dpbusd_epi32(sum, lv[t], word(r, b, t));
               acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(ws, d), acc[m]);
             }
