@@ -2,6 +2,7 @@
 changes with it on (greedy and seeded, with every request option that touches the logits)."""
 import numpy as np
 import pytest
+import torch
 
 from tornchat import prompt
 from tornchat.engine import speculate
@@ -93,6 +94,7 @@ def test_measured_costs_time_a_few_verify_sizes_and_interpolate_the_rest(monkeyp
         def verify(self, ids, cache):
             timed.append(len(ids))
             clock[0] += len(ids) + 1
+            return torch.zeros(len(ids), 3)  # logits, read back as the loop reads them
 
     monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
     costs = speculate.measure(Runner(), list(range(20)))
