@@ -9,7 +9,10 @@ loop does), the fraction of the bandwidth limit the graph reaches (weight
 bytes plus the KV bytes attention reads per token, times tokens/s, over
 the device-to-device copy bandwidth measured in the same run), and the
 time to the first token of a 2,000-token prompt (prefill in the engine's
-512-token chunks). Then transformers' fast path on the same weights:
+512-token chunks). Then several streams' rows in shared steps against a
+step per row: one stream, 2 and 4 streams stepped together, whether the 4
+decode what they decode alone, and what a verify of r rows costs against
+one step. Then transformers' fast path on the same weights:
 ``generate`` with a static cache and ``torch.compile(mode="reduce-overhead")``;
 and our step compiled the same way against the hand-captured graph.
 
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 
 from bench.common import greedy_steps_rate, write_results
-from tornchat.engine import cuda_graph, llama
+from tornchat.engine import cuda_graph, llama, speculate
 from tornchat.engine.model import PREFILL_CHUNK
 
 SHAPES = {  # hidden, FFN, layers, heads, KV heads, vocabulary, tied embedding
@@ -86,6 +89,51 @@ def decode_rate(runner, steps: int) -> tuple[float, int]:
     return rate, read
 
 
+def together(runner, streams: int, steps: int) -> tuple[float, list[list[int]]]:
+    """Aggregate greedy tokens/s of ``streams`` sequences stepped together (``forward_many``, as the
+    scheduler does), each token read back to the host every step; and each sequence's tokens."""
+    caches = [runner.new_cache() for _ in range(streams)]
+    tokens = [[int(runner.forward(list(range(100 + 50 * s, 100 + 50 * s + SHORT_PROMPT)), cache).argmax())]
+              for s, cache in enumerate(caches)]
+
+    def run(count: int) -> None:
+        for _ in range(count):
+            rows = runner.forward_many([([ids[-1]], cache, True) for ids, cache in zip(tokens, caches)])
+            for ids, logits in zip(tokens, rows):
+                ids.append(int(logits[0].argmax()))
+
+    run(8)  # warm: the mix is run eagerly once, then captured
+    started = time.perf_counter()
+    run(steps)
+    return streams * steps / (time.perf_counter() - started), tokens
+
+
+def rows_per_step(spec, weights, steps: int, prompt_ids: list[int]) -> dict:
+    """Several generations' rows in captured steps of up to STEP_ROWS rows (``rows8``) against every row a step
+    of its own (``rows1``, as before): one stream's tokens/s, 2 and 4 streams stepped together, how many of the
+    4 decoded the greedy tokens they decode alone, and a verify of r rows against one step (speculate.measure)."""
+    out = {}
+    for rows in (1, cuda_graph.STEP_ROWS):
+        runner = llama.LlamaRunner(spec, weights)
+        runner.graphs = cuda_graph.GraphedSteps(runner, rows=rows)
+        figures = out[f"rows{rows}"] = {"one_stream": round(decode_rate(runner, steps)[0], 1)}
+        for n in (2, 4):
+            rate, tokens = together(runner, n, steps)
+            figures[f"{n}_streams"] = round(rate, 1)
+        figures["equal_to_alone_4"] = sum(ids == solo(runner, s, steps) for s, ids in enumerate(tokens))
+        figures["verify_costs"] = list(speculate.measure(runner, prompt_ids[:256]).relative)
+    return out
+
+
+def solo(runner, stream: int, steps: int) -> list[int]:
+    """``together``'s tokens of sequence ``stream``, decoded alone."""
+    cache = runner.new_cache()
+    ids = [int(runner.forward(list(range(100 + 50 * stream, 100 + 50 * stream + SHORT_PROMPT)), cache).argmax())]
+    for _ in range(8 + steps):
+        ids.append(int(runner.forward([ids[-1]], cache, decode=True).argmax()))
+    return ids
+
+
 def ttft(runner, prompt_ids: list[int]) -> float:
     """Seconds from an empty cache to the first token of the prompt (median of 3)."""
     times = []
@@ -121,6 +169,8 @@ def ours(shape: str, model, steps: int, bandwidth: float, compile_step: bool) ->
                 row["weight_gb"] = round(weight_bytes(runner) / 1e9, 3)
                 row["ttft_2000_ms"] = round(1000 * ttft(runner, prompt_ids), 1)
                 row["captures"] = runner.graphs.captures
+                if group != 32:
+                    row["rows_per_step"] = rows_per_step(spec, packed, steps, prompt_ids)
                 if compile_step and group != 32:
                     row["torch_compile"] = compiled_rate(runner, steps)
                     row["compiled_then_captured"] = captured_compiled_rate(spec, packed, steps)

@@ -81,12 +81,47 @@ def test_graph_replay_is_bit_for_bit_the_eager_step_cache_included(gpu_model):
     for position, token in enumerate(range(500, 520), start=len(prompt_ids)):
         with torch.inference_mode():
             eager = cuda_graph.step(graphed, torch.tensor([token], device="cuda"), torch.tensor([position], device="cuda"),
-                                    eager_cache.kv)[0]
+                                    (eager_cache.kv,))[0]
         eager_cache.length += 1
         replayed = graphed.forward([token], graph_cache, decode=True)
         assert torch.equal(replayed, eager)
     assert torch.equal(graph_cache.kv[:, :, : graph_cache.length], eager_cache.kv[:, :, : eager_cache.length])
     assert graphed.graphs.captures == 1
+
+
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_generations_decoding_together_share_replays_and_a_verify_is_its_steps(gpu_model, quantize):
+    """Rows of several generations in one step (a new mix runs eagerly, and is captured when seen again): each
+    row's logits and cache entries those of its own one-token steps up to the many-row products' rounding.
+    A verify alone is its steps, bit for bit: one row a step."""
+    run = runner(gpu_model, True, quantize)
+    tolerance = 1e-4 if quantize == "none" else 5e-2  # of the logits' scale; int4 runs on bf16 inputs
+    prompts = [list(range(100, 140)), list(range(300, 317)), list(range(700, 760))]
+    together, alone = [run.new_cache() for _ in prompts], [run.new_cache() for _ in prompts]
+    for prompt_ids, cache, reference in zip(prompts, together, alone):
+        run.forward(prompt_ids, cache)
+        run.forward(prompt_ids, reference)
+    captures = []
+    for rows in ([[5, 6, 7], [9], [11, 12]], [[13], [14, 15, 16, 17], [18]], [[19], [20], [21]], [[22], [23], [24]]):
+        expected = [torch.stack([run.forward([token], cache, decode=True) for token in ids])
+                    for ids, cache in zip(rows, alone)]
+        captures.append(run.graphs.captures)
+        got = run.forward_many([(ids, cache, True) for ids, cache in zip(rows, together)])
+        captures[-1] = run.graphs.captures - captures[-1]
+        for e, g in zip(expected, got):
+            scale = float(e.abs().max())
+            torch.testing.assert_close(g, e, atol=tolerance * scale, rtol=0)
+    assert captures == [0, 0, 0, 1]  # only the mix seen a second time was captured
+    for cache, reference in zip(together, alone):
+        assert cache.length == reference.length
+        scale = float(reference.kv[:, :, : reference.length].abs().max())
+        torch.testing.assert_close(cache.kv[:, :, : cache.length], reference.kv[:, :, : reference.length],
+                                   atol=tolerance * scale, rtol=0)
+    verified, stepped = run.new_cache(), run.new_cache()
+    run.forward(prompts[0], verified)
+    run.forward(prompts[0], stepped)
+    drafts = list(range(40, 48))
+    assert torch.equal(run.verify(drafts, verified), torch.stack([run.forward([t], stepped, decode=True) for t in drafts]))
 
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])
@@ -134,6 +169,35 @@ def test_seeded_sampling_and_kv_reuse_are_the_same_with_graphs(gpu_model, gpu_to
             engine.close()
     assert results[0] == results[1]
     assert results[0][2] >= len(first_turn)  # the second turn reused the first's cache
+
+
+def test_concurrent_generations_on_the_gpu_get_the_replies_they_get_alone(gpu_model, gpu_tokenizer):
+    """The scheduler's steps on CUDA: four requests (greedy, seeded, one drafting from a prediction, one with a
+    stop string) decoded together in shared steps. Each ends as a reply should; its first token comes from its
+    own prefill, so it is the one it gets alone (the later ones may differ: docs/models.md)."""
+    from test_parallel import CHEAP, reply, together
+
+    stops = prompt.stop_token_ids(gpu_tokenizer, None)
+    seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    prompts = [list(range(2000 + 100 * i, 2030 + 100 * i)) for i in range(4)]
+    batch = [GenerationRequest(prompts[0], sampling=GREEDY, max_tokens=24),
+             GenerationRequest(prompts[1], sampling=seeded, max_tokens=24),
+             GenerationRequest(prompts[2], sampling=GREEDY, max_tokens=24, prediction_ids=list(range(5000, 5030))),
+             GenerationRequest(prompts[3], sampling=seeded, max_tokens=24, stop=("e",))]
+    run = runner(gpu_model)
+    replies = {}
+    for parallel in (1, 4):
+        engine = Engine(run, gpu_tokenizer, stops, SlotPool(run, 4, 1 << 30), speculation=CHEAP, parallel=parallel)
+        try:
+            replies[parallel] = [reply(list(engine.generate(r))) for r in batch] if parallel == 1 else together(engine, batch)
+            if parallel == 4:
+                assert engine.batch.largest == 4
+        finally:
+            engine.close()
+    for solo, shared, request in zip(replies[1], replies[4], batch):
+        tokens, text, finish = shared
+        assert finish in ("length", "stop") and 0 < len(tokens) <= request.max_tokens and text
+        assert tokens[0] == solo[0][0]
 
 
 def test_the_server_streams_from_the_gpu_and_reuses_its_cache(gpu_checkpoint):

@@ -338,3 +338,36 @@ def test_a_config_the_lean_forward_does_not_run_is_named_in_one_line():
     assert llama.unsupported_reason(Qwen3MoeConfig()) is None
     assert llama.unsupported_reason(Qwen3MoeConfig(shared_expert_intermediate_size=64)) == "shared experts"
     assert "'qwen2_moe' is not one of" in llama.unsupported_reason(Qwen2MoeConfig())
+
+
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen3"])
+def test_a_captured_steps_rows_each_compute_their_own_sequence(model_name, request):
+    """``cuda_graph.step``, the CUDA step, on the CPU (it is plain PyTorch): rows of two caches and a verify's
+    rows on one of them, then padding, give each row the logits and cache entries of its sequence's own
+    one-token forwards, and the padding touches no cache."""
+    from tornchat.engine import cuda_graph
+
+    runner = exact(lean(request.getfixturevalue(model_name)), kv_dtype=torch.float32)  # plain weights, as on CUDA
+    assert runner.step is None
+    first, second = list(range(10, 40)), list(range(200, 217))
+    caches = [runner.new_cache(), runner.new_cache()]
+    alone = [runner.new_cache(), runner.new_cache()]
+    for prompt_ids, cache, reference in zip((first, second), caches, alone):
+        runner.forward(prompt_ids, cache)
+        runner.forward(prompt_ids, reference)
+        runner._reserve(cache, cache.length + 8)
+    rows = [(5, 0), (6, 0), (7, 0), (9, 1)]  # a verify of 3 rows on the first cache, a step on the second
+    positions = [caches[0].length, caches[0].length + 1, caches[0].length + 2, caches[1].length]
+    untouched = caches[1].kv[:, :, positions[-1] + 1 :].clone()
+    tokens = torch.tensor([token for token, _ in rows] + [0] * (cuda_graph.STEP_ROWS - len(rows)))
+    with torch.inference_mode():
+        got = cuda_graph.step(runner, tokens, torch.tensor(positions + [0] * (len(tokens) - len(rows))),
+                              tuple(caches[c].kv for _, c in rows))
+    assert got.shape == (cuda_graph.STEP_ROWS, runner.head.shape[0])
+    for r, (token, c) in enumerate(rows):
+        expected = runner.forward([token], alone[c], decode=True)
+        torch.testing.assert_close(got[r], expected, atol=1e-4, rtol=1e-4)
+    for c, cache in enumerate(caches):
+        held = alone[c].length
+        torch.testing.assert_close(cache.kv[:, :, :held], alone[c].kv[:, :, :held], atol=1e-5, rtol=1e-5)
+    assert torch.equal(caches[1].kv[:, :, positions[-1] + 1 :], untouched)

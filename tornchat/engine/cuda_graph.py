@@ -1,19 +1,32 @@
-"""One-token decode steps on CUDA, captured once as a CUDA graph and replayed.
+"""Decode steps on CUDA, captured as CUDA graphs and replayed: one row, or one row of each of several generations.
 
 At batch 1 a decode step reads every weight once, so its limit is memory
 bandwidth; but an eager step launches ~15 kernels per layer, each costing
 the CPU a few microseconds, and for all but the largest models the GPU
 waits on those launches. A captured step replays them with one launch.
 
+A generation's rows run one per step, also a verify's (its drafts' rows in
+turn), so its reply is the same bits with speculation or without. Rows of
+several generations decoding together share one step, which reads every
+weight once for all of them: its matrix products run on 2, 4 or 8 rows
+(padding the rest), and each row's attention is a call of its own over its
+own cache. cuBLAS and tinygemm compute a row of a many-row product with
+other kernels than a lone row's, so such a row need not get the bits it
+gets alone (``--parallel 1`` keeps every reply as alone). Padding every
+step to 8 rows would keep those bits, but cost a lone stream 4-7% in bf16
+and 25-42% in int4 on an H100 (docs/performance.md).
+
 A graph records addresses, so whatever a step reads or writes stays put:
-the token and its position are device tensors, filled before each replay;
-the KV cache is the slot's own tensor (one graph per cache tensor: a cache
-that grows is a new tensor, captured anew; ``LlamaRunner`` grows CUDA
-caches by doubling so that happens a few times per conversation); and
-attention runs over the cache's whole capacity, masking the positions
-after the token's, so the graph does not depend on the length.
+the tokens and positions are device tensors, filled before each replay;
+the KV caches are the rows' own tensors (one graph per combination of
+them: a cache that grows is a new tensor, captured anew; ``LlamaRunner``
+grows CUDA caches by doubling so that happens a few times per
+conversation); and attention runs over each cache's whole capacity,
+masking the positions after the row's, so the graph does not depend on
+the length.
 """
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -21,28 +34,47 @@ import torch.nn.functional as F
 
 from tornchat.engine import fused, quant
 
+STEP_ROWS = 8  # the most generations' rows one step takes; a step's products run on 1, 2, 4 or 8 rows
+GRAPH_LIMIT = 32  # captured combinations of caches kept; past it all are dropped (see GraphedSteps) and captured anew
 
-def step(runner, token: torch.Tensor, position: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-    """The lean forward of one token (``LlamaRunner._layers`` for n = 1) with no host value in it: token
-    and position are int64 [1] device tensors, kv the cache [layers, 2, capacity, kv_heads, head_dim]
-    the token's key and value are written into. Returns fp32 logits [1, V]."""
+Row = tuple[int, torch.Tensor, int]  # a one-token row: the token, the cache tensor it joins, its position there
+
+
+def step(runner, tokens: torch.Tensor, positions: torch.Tensor, kvs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The lean forward (``LlamaRunner._layers``) of one-token rows with no host value in it: tokens and
+    positions int64 [M] device tensors; kvs the caches [layers, 2, capacity, kv_heads, head_dim] of the first
+    len(kvs) rows. Row r's key and value are written at positions[r] of kvs[r], and it attends over kvs[r] up
+    to there; every row's key is written before any row attends, so rows of one cache see the ones before
+    them. The rows past len(kvs) are padding: they go through the matrices (a step's products run on a
+    fixed number of rows, whatever it holds) and nothing else. Returns fp32 logits [M, V]."""
     heads, kv_heads, head_dim = runner.heads, runner.kv_heads, runner.head_dim
-    x = quant.dequantize(runner.weights.embed, runner.dtype, token)
-    freqs = runner.rope.index_select(0, position)
-    visible = (torch.arange(kv.shape[2], device=kv.device) <= position)[None, None, None, :]
+    rows, used = tokens.shape[0], len(kvs)
+    x = quant.dequantize(runner.weights.embed, runner.dtype, tokens)
+    freqs = runner.rope.index_select(0, positions)
+    visible = [(torch.arange(kv.shape[2], device=kv.device) <= positions[r])[None, None, None, :]
+               for r, kv in enumerate(kvs)]
     for i, layer in enumerate(runner.layers):
         h = fused.rms_norm_ref(x, layer.attn_norm, runner.eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
         qkv = quant.linear(h, layer.wqkv)
         if layer.bqkv is not None:
             qkv = qkv + layer.bqkv
         rotated = fused.rope_ref(qkv, freqs, heads, kv_heads, head_dim, layer.qk_norm, runner.eps)
-        keys, values = kv[i].unbind()
-        keys.index_copy_(0, position, rotated[:, heads:].to(kv.dtype))
-        values.index_copy_(0, position, qkv[:, (heads + kv_heads) * head_dim :].reshape(1, kv_heads, head_dim).to(kv.dtype))
-        q = rotated[:, :heads].to(kv.dtype).reshape(1, kv_heads, heads // kv_heads, head_dim)
-        out = F.scaled_dot_product_attention(q, keys[None].transpose(1, 2), values[None].transpose(1, 2),
-                                             attn_mask=visible, scale=runner.scale)
-        x = x + quant.linear(out.reshape(1, heads * head_dim), layer.wo)
+        new_keys = rotated[:, heads:]
+        new_values = qkv[:, (heads + kv_heads) * head_dim :].reshape(rows, kv_heads, head_dim)
+        for r, kv in enumerate(kvs):
+            keys, values = kv[i].unbind()
+            keys.index_copy_(0, positions[r : r + 1], new_keys[r : r + 1].to(kv.dtype))
+            values.index_copy_(0, positions[r : r + 1], new_values[r : r + 1].to(kv.dtype))
+        attended = []
+        for r, kv in enumerate(kvs):
+            keys, values = kv[i].unbind()
+            q = rotated[r, :heads].to(kv.dtype).reshape(1, kv_heads, heads // kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(q, keys[None].transpose(1, 2), values[None].transpose(1, 2),
+                                                 attn_mask=visible[r], scale=runner.scale)
+            attended.append(out.reshape(1, heads * head_dim))
+        if used < rows:
+            attended.append(attended[0].new_zeros(rows - used, heads * head_dim))
+        x = x + quant.linear(torch.cat(attended) if len(attended) > 1 else attended[0], layer.wo)
         h = fused.rms_norm_ref(x, layer.ffn_norm, runner.eps, quant.input_dtype(layer.w13) == torch.bfloat16)
         x = x + quant.linear(fused.silu_mul_ref(quant.linear(h, layer.w13)), layer.w2)
     return runner._logits(x)
@@ -51,12 +83,17 @@ def step(runner, token: torch.Tensor, position: torch.Tensor, kv: torch.Tensor) 
 @dataclass
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
-    kv: weakref.ref  # the cache tensor the graph reads and writes
+    kvs: tuple[weakref.ref, ...]  # the cache tensors the graph reads and writes
     logits: torch.Tensor  # where each replay leaves its logits
 
 
 class GraphedSteps:
-    """``step`` replayed from a graph per cache tensor.
+    """``step`` replayed from a graph per combination of caches, or run eagerly where no graph fits.
+
+    A generation's own step recurs with every token and is captured at once.
+    A mix of generations' rows is captured when seen a second time (it lasts
+    while they all run); the first time, the same ``step`` runs eagerly,
+    which gives the same bits.
 
     All of a runner's graphs are captured on one stream of its own, warmed
     (a run outside the capture) before each capture. PyTorch keys cuBLAS
@@ -66,43 +103,63 @@ class GraphedSteps:
     that is no longer theirs: a runner's graphs destroyed
     while another runner decoded on the shared default capture stream
     turned its output to noise. So graphs are dropped all together, when
-    one of their caches is gone, and the live ones are captured again on
-    next use; and runners do not share a stream. Each graph keeps its own
-    memory pool: a batch-1 step's intermediates are small, and a pool shared
-    by handle cannot be captured into again once its graphs are gone.
+    one of their caches is gone or there are more than GRAPH_LIMIT, and the
+    live ones are captured again on next use; and runners do not share a
+    stream. Each graph keeps its own memory pool: a step's intermediates are
+    small, and a pool shared by handle cannot be captured into again once
+    its graphs are gone.
     """
 
-    def __init__(self, runner, step_fn=step):
+    def __init__(self, runner, step_fn=step, rows: int = STEP_ROWS):
         self.runner, self.step_fn = runner, step_fn  # step_fn: ``step``, or ``step`` compiled (bench/gpu.py)
-        self.token = torch.zeros(1, dtype=torch.int64, device=runner.device)
-        self.position = torch.zeros(1, dtype=torch.int64, device=runner.device)
+        self.sizes = [1 << i for i in range(rows.bit_length()) if 1 << i <= rows]  # rows a step's products run on
+        self.inputs = {size: (torch.zeros(size, dtype=torch.int64, device=runner.device),
+                              torch.zeros(size, dtype=torch.int64, device=runner.device)) for size in self.sizes}
         self.stream = torch.cuda.Stream(runner.device)
-        self.captured: dict[int, _Captured] = {}  # by the cache tensor's address
+        self.captured: dict[tuple[int, ...], _Captured] = {}  # by the step's size and its caches' addresses
+        self.seen: Counter = Counter()  # mixes of generations run eagerly so far
         self.captures = 0
 
-    def __call__(self, token: int, kv: torch.Tensor, position: int) -> torch.Tensor:
-        """fp32 logits [V] of ``token`` at ``position``, its key and value written into kv."""
-        self.token.fill_(token)  # on the stream, no host sync
-        self.position.fill_(position)
-        captured = self.captured.get(kv.data_ptr())
-        if captured is None or captured.kv() is not kv:
-            captured = None  # not a reference to a stale graph: it must be gone before the capture
-            captured = self._capture(kv)
-        captured.graph.replay()
-        return captured.logits[0].clone()  # the next replay overwrites the buffer
+    def __call__(self, rows: list[Row]) -> torch.Tensor:
+        """fp32 logits [len(rows), V], each row's key and value written into its cache: the rows of one cache
+        one step each, those of several caches up to ``STEP_ROWS`` a step."""
+        most = 1 if len({kv.data_ptr() for _, kv, _ in rows}) == 1 else self.sizes[-1]
+        return torch.cat([self._step(rows[at : at + most]) for at in range(0, len(rows), most)])
 
-    def _capture(self, kv: torch.Tensor) -> _Captured:
-        if any(c.kv() is None for c in self.captured.values()):
+    def _step(self, rows: list[Row]) -> torch.Tensor:
+        size = next(size for size in self.sizes if size >= len(rows))
+        tokens, positions = self.inputs[size]
+        for r, (token, _, position) in enumerate(rows):  # on the stream, no host sync
+            tokens[r].fill_(token)
+            positions[r].fill_(position)
+        kvs = tuple(kv for _, kv, _ in rows)
+        key = (size, *(kv.data_ptr() for kv in kvs))
+        captured = self.captured.get(key)
+        if captured is None or any(ref() is not kv for ref, kv in zip(captured.kvs, kvs)):
+            captured = None  # not a reference to a stale graph: it must be gone before a capture
+            if len(kvs) > 1 and self.seen[key] == 0:
+                self.seen[key] += 1
+                with torch.inference_mode():
+                    return self.step_fn(self.runner, tokens, positions, kvs)[: len(rows)]
+            captured = self._capture(tokens, positions, kvs, key)
+        captured.graph.replay()
+        return captured.logits[: len(rows)].clone()  # the next replay overwrites the buffer
+
+    def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, kvs: tuple[torch.Tensor, ...],
+                 key: tuple[int, ...]) -> _Captured:
+        if len(self.captured) >= GRAPH_LIMIT or any(ref() is None for c in self.captured.values() for ref in c.kvs):
             self.captured.clear()  # all together (see the class docstring)
-        # The warm-up run writes the very key and value the replay will: it changes nothing.
-        self.stream.wait_stream(torch.cuda.current_stream(kv.device))
+            self.seen.clear()
+        device = kvs[0].device
+        # The warm-up run writes the very keys and values the replay will: it changes nothing.
+        self.stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self.stream), torch.inference_mode():
-            self.step_fn(self.runner, self.token, self.position, kv)
-        torch.cuda.current_stream(kv.device).wait_stream(self.stream)
+            self.step_fn(self.runner, tokens, positions, kvs)
+        torch.cuda.current_stream(device).wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=self.stream), torch.inference_mode():
-            logits = self.step_fn(self.runner, self.token, self.position, kv)
-        captured = _Captured(graph, weakref.ref(kv), logits)
-        self.captured[kv.data_ptr()] = captured
+            logits = self.step_fn(self.runner, tokens, positions, kvs)
+        captured = _Captured(graph, tuple(weakref.ref(kv) for kv in kvs), logits)
+        self.captured[key] = captured
         self.captures += 1
         return captured

@@ -343,9 +343,9 @@ class LlamaRunner:
         self.ops = fused.ops_for(self.device, self.dtype)
         on_cpu = self.device.type == "cpu"
         self.kv_dtype = kv_dtype or (torch.bfloat16 if on_cpu else self.dtype)
-        # On CUDA, one-token steps replay a captured graph (cuda_graph.py) unless ``graphs`` is off; Gemma 3's
-        # steps run eagerly (the captured step is the Llama layer's), and so do experts' (a graph cannot follow
-        # their choice per token).
+        # On CUDA, one-token rows (steps, verifies, and the steps of generations decoding together) replay a
+        # captured graph (cuda_graph.py) unless ``graphs`` is off; Gemma 3's steps run eagerly (the captured step
+        # is the Llama layer's), and so do experts' (a graph cannot follow their choice per token).
         gemma = config.gelu or any(self.windows)
         moe = any(layer.moe is not None for layer in self.layers)
         self.graphs = cuda_graph.GraphedSteps(self) if graphs and not on_cpu and not gemma and not moe else None
@@ -410,22 +410,24 @@ class LlamaRunner:
         kv = cache.kv.new_empty((*cache.kv.shape[:2], grown, *cache.kv.shape[3:]))
         held = _whole_blocks(cache.length)
         kv[:, :, :held] = cache.kv[:, :, :held]
+        # Zeros, not stale memory, past the length: the CUDA step attends over the whole capacity with the later
+        # positions masked, and a masked NaN still poisons the weighted sum (0 * NaN).
+        kv[:, :, held:] = 0
         cache.kv = kv
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], cache: KVCache, decode: bool = False) -> torch.Tensor:
         if decode and self.graphs is not None and len(token_ids) == 1:
-            start = cache.length
-            self._reserve(cache, start + 1)
-            logits = self.graphs(token_ids[0], cache.kv, start)
-            cache.length = start + 1
-            return logits
+            return self._replay([(token_ids, cache)])[0][0]
         return self._logits(self._hidden(token_ids, cache)[-1:])[0]
 
     @torch.inference_mode()
     def verify(self, token_ids: list[int], cache: KVCache) -> torch.Tensor:
         """fp32 logits [n, V] after each of token_ids appended to cache: bit for bit what n one-token decode
-        steps give (the C++ forward's rows do not interact; elsewhere the steps themselves)."""
+        steps give (the C++ forward's rows do not interact; elsewhere, CUDA graphs included, the steps
+        themselves)."""
+        if self.graphs is not None:
+            return self._replay([(token_ids, cache)])[0]
         if self.step is None:
             return torch.stack([self.forward([token], cache, decode=True) for token in token_ids])
         return self._logits(self._hidden(token_ids, cache))
@@ -457,13 +459,32 @@ class LlamaRunner:
         """Several sequences' rows in one forward, each (token_ids, cache, every) with its own cache: fp32 logits
         [n, V] of every row where ``every`` (a verify's), else [1, V] of the last (a step's, a prefill
         chunk's). Each sequence gets bit for bit what ``verify`` / ``forward`` give it alone: the C++ forward
-        computes every row by itself (rows of one sequence meet only in its own attention). Without it, those
+        computes every row by itself (rows of one sequence meet only in its own attention). On CUDA the
+        sequences' steps and verifies share captured steps (``cuda_graph.GraphedSteps``), whose many-row
+        products may give a row other bits than alone, and prefill chunks run eagerly. Without either, those
         calls one after another (``one_by_one``)."""
+        if self.graphs is not None:
+            replayed = iter(self._replay([(ids, cache) for ids, cache, every in batch if every]))
+            return [next(replayed) if every else self.forward(ids, cache)[None] for ids, cache, every in batch]
         if self.step is None:
             return one_by_one(self, batch)
         hidden = self._hidden_many([(ids, cache) for ids, cache, _ in batch]).split([len(ids) for ids, _, _ in batch])
         kept = [h if every else h[-1:] for h, (_, _, every) in zip(hidden, batch)]
         return list(self._logits(torch.cat(kept)).split([len(k) for k in kept]))
+
+    def _replay(self, batch: list[tuple[list[int], KVCache]]) -> list[torch.Tensor]:
+        """One-token rows of distinct caches (each token_ids appended to its cache) through the captured CUDA
+        steps (``cuda_graph.GraphedSteps``): fp32 logits [n, V] per cache."""
+        if not batch:
+            return []
+        rows = []
+        for token_ids, cache in batch:
+            self._reserve(cache, cache.length + len(token_ids))
+            rows += [(token, cache.kv, cache.length + j) for j, token in enumerate(token_ids)]
+        logits = self.graphs(rows)
+        for token_ids, cache in batch:
+            cache.length += len(token_ids)
+        return list(logits.split([len(token_ids) for token_ids, _ in batch]))
 
     def _hidden(self, token_ids: list[int], cache: KVCache) -> torch.Tensor:
         """Run token_ids through the layers, appending to cache: the residual stream [n, hidden] after them."""
