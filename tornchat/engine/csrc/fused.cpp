@@ -516,6 +516,11 @@ struct Layer {
   int64_t window = 0;
 };
 
+// Up to this many (row, expert) slots, a mixture's threads split the experts rather than each expert's products:
+// a decode step's 8 experts of a few hundred features are too small to split well, and each split costs a fork
+// and join.
+constexpr int64_t FEW_SLOTS = 64;
+
 // One row's routing (llama.route): the softmax of its router logits in fp32, its top_k experts, most probable
 // first (of equal ones the lower index), and their probabilities, divided by their sum where norm_top_k.
 void route_row(const float* logits, int64_t count, int64_t top_k, bool norm_top_k, int64_t* chosen, float* weights) {
@@ -549,13 +554,25 @@ at::Tensor mixture(const Experts& moe, const at::Tensor& h, bool gelu) {
     route_row(logits.data_ptr<float>() + r * count, count, k, moe.norm_top_k, &chosen[r * k], &weights[r * k]);
   std::vector<std::vector<int64_t>> slots(count);  // each expert's (row, rank) slots r * k + rank, in row order
   for (int64_t s = 0; s < rows * k; ++s) slots[chosen[s]].push_back(s);
-  auto outputs = at::empty({rows * k, hidden}, h.options());
-  for (int64_t e = 0; e < count; ++e) {
-    if (slots[e].empty()) continue;
-    const auto at_slots = at::tensor(slots[e], at::kLong);
-    const auto y = moe.w2[e](gate(moe.w13[e](h.index_select(0, at::floor_divide(at_slots, k))), gelu));
-    outputs.index_copy_(0, at_slots, y);
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < count; ++e)
+    if (!slots[e].empty()) used.push_back(e);
+  std::vector<at::Tensor> at_slots(used.size()), ys(used.size());
+  const auto expert = [&](size_t i) {
+    at_slots[i] = at::tensor(slots[used[i]], at::kLong);
+    ys[i] = moe.w2[used[i]](gate(moe.w13[used[i]](h.index_select(0, at::floor_divide(at_slots[i], k))), gelu));
+  };
+  if (rows * k <= FEW_SLOTS) {
+    // A step's few rows: the threads take whole experts (the products inside run on the thread that calls
+    // them), one fork and join a layer instead of two per expert; each product's bits are the same.
+    at::parallel_for(0, static_cast<int64_t>(used.size()), 1, [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) expert(i);
+    });
+  } else {
+    for (size_t i = 0; i < used.size(); ++i) expert(i);
   }
+  auto outputs = at::empty({rows * k, hidden}, h.options());
+  for (size_t i = 0; i < used.size(); ++i) outputs.index_copy_(0, at_slots[i], ys[i]);
   auto out = at::empty({rows, hidden}, h.options());
   const float* o = outputs.data_ptr<float>();
   float* dst = out.data_ptr<float>();
