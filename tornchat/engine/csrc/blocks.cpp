@@ -804,46 +804,104 @@ inline __attribute__((always_inline)) __m512i wide(const void* p) {  // 32 bytes
   return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// Group g's scales for two weight rows at once (lanes 0-7 the first row's, 8-15 the second's): the very
+// products meta gives each row (d * sc, -dmin * mn), so the same bits. Q4_K, Q5_K: both rows' 6-bit scales and
+// minimums unpacked together in vector registers, where meta's scalar bit work per row cost the small-row tiles
+// more than their dot products.
+template <int64_t T>
+inline __attribute__((always_inline)) void meta2(const uint8_t* row0, const uint8_t* row1, int64_t g, int nj,
+                                                 __m512& ws, __m512& wm, __m512& lo, __m512& hi) {
+  if constexpr (T == Q4_K || T == Q5_K) {
+    constexpr int64_t bytes = T == Q4_K ? 144 : 176;
+    // per row (128 bits): d and dmin, then the scale bytes u0 u1 u2 (meta's)
+    const __m256i head = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(row1 + g * bytes),
+                                             reinterpret_cast<const __m128i*>(row0 + g * bytes));
+    // [u0 & 63, (u2 & 15) | (u0 >> 6) << 4, u1 & 63, (u2 >> 4 & 15) | (u1 >> 6) << 4]: sc, then mn, per row
+    const __m256i low = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_shuffle_epi32(head, 0xED), _mm256_setr_epi32(0, 0, 0, 4, 0, 0, 0, 4)),
+        _mm256_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi32(_mm256_shuffle_epi32(head, 0xA5), 2),
+                                          _mm256_setr_epi32(0, 0x30303030, 0, 0x30303030, 0, 0x30303030, 0, 0x30303030));
+    const __m256i sm = _mm256_permute4x64_epi64(_mm256_or_si256(low, high), 0xD8);  // sc0 sc1 mn0 mn1
+    const __m512 dd = _mm512_castps256_ps512(
+        _mm256_cvtph_ps(_mm_unpacklo_epi32(_mm256_castsi256_si128(head), _mm256_extracti128_si256(head, 1))));
+    const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), dd);
+    const __m512 dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), dd);
+    ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(sm))));
+    wm = _mm512_mul_ps(_mm512_xor_ps(dmin, _mm512_set1_ps(-0.0f)),
+                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(sm, 1))));
+    lo = hi = _mm512_setzero_ps();
+  } else {
+    __m256 s[2], m[2], l[2], h[2];
+    meta<T>(row0, g, nj, s[0], m[0], l[0], h[0]);
+    meta<T>(row1, g, nj, s[1], m[1], l[1], h[1]);
+    ws = join(s[0], s[1]), wm = join(m[0], m[1]), lo = join(l[0], l[1]), hi = join(h[0], h[1]);
+  }
+}
+
+// Group g for R rows and the tile's 4 columns: the two column pairs' levels are unpacked and transposed first,
+// then each row loads its activations once per step for both pairs, and sums each half of its blocks (features
+// 0-15, 16-31) in its own chain, added at the end (exact int32): two chains in flight per pair, not one chain
+// of 8 dependent steps. The fp32 operations are quant_group's, per lane.
 template <int64_t T, int R, int NJ>
 inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* w, int64_t g, int nj, const RowPtrs* x,
                                                           __m512 (*acc)[COLS / 2]) {
   constexpr int sh = offset_shift(T);
   if (NJ) nj = NJ;
+  __m512 ws2[2], wm2[2], lo2[2], hi2[2];
+  __m512i v[2][8];
+#pragma GCC unroll 2
   for (int p = 0; p < COLS / 2; ++p) {
-    __m256 ws[2], wm[2], lo[2], hi[2];
-    for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h)
       for (int off = 0; off < group_bytes(T); off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w[2 * p + h] + g * group_bytes(T) + PREFETCH + off), _MM_HINT_T0);
-      meta<T>(w[2 * p + h], g, nj, ws[h], wm[h], lo[h], hi[h]);
-    }
-    const __m512 ws2 = join(ws[0], ws[1]), wm2 = join(wm[0], wm[1]), lo2 = join(lo[0], lo[1]), hi2 = join(hi[0], hi[1]);
-    __m512i v[8];
+    meta2<T>(w[2 * p], w[2 * p + 1], g, nj, ws2[p], wm2[p], lo2[p], hi2[p]);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j)
-      v[j] = j < nj ? _mm512_inserti64x4(_mm512_castsi256_si512(levels<T>(w[2 * p], g, j)), levels<T>(w[2 * p + 1], g, j), 1)
-                    : _mm512_setzero_si512();
-    transpose8x2(v);
+      v[p][j] = j < nj ? _mm512_inserti64x4(_mm512_castsi256_si512(levels<T>(w[2 * p], g, j)),
+                                            levels<T>(w[2 * p + 1], g, j), 1)
+                       : _mm512_setzero_si512();
+    transpose8x2(v[p]);
     if constexpr (T == Q8_0)
-      for (int t = 0; t < 8; ++t) v[t] = _mm512_xor_si512(v[t], _mm512_set1_epi8(static_cast<char>(0x80)));
-    for (int r = 0; r < R; ++r) {
-      const int8_t* xt = x[r].qt + g * 256;
-      const __m512 d = _mm512_broadcast_f32x8(_mm256_loadu_ps(x[r].d + g * 8));
+      for (int t = 0; t < 8; ++t) v[p][t] = _mm512_xor_si512(v[p][t], _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    const int8_t* xt = x[r].qt + g * 256;
+    const __m512 d = _mm512_broadcast_f32x8(_mm256_loadu_ps(x[r].d + g * 8));
+    __m512i first[2], second[2];
+#pragma GCC unroll 2
+    for (int p = 0; p < COLS / 2; ++p) {
+      if constexpr (T == Q6_K) {
+        first[p] = _mm512_slli_epi32(wide(x[r].first + g * 8), sh);
+        second[p] = _mm512_slli_epi32(wide(x[r].second + g * 8), sh);
+      } else if constexpr (sh >= 0 || T == Q8_0) {
+        first[p] = _mm512_slli_epi32(wide(x[r].sums + g * 8), sh >= 0 ? sh : 7);
+        second[p] = _mm512_setzero_si512();
+      } else {
+        first[p] = second[p] = _mm512_setzero_si512();
+      }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      const __m512i xw = wide(xt + 32 * t);
+#pragma GCC unroll 2
+      for (int p = 0; p < COLS / 2; ++p) {
+        if (t < 4) first[p] = _mm512_dpbusd_epi32(first[p], v[p][t], xw);
+        else second[p] = _mm512_dpbusd_epi32(second[p], v[p][t], xw);
+      }
+    }
+#pragma GCC unroll 2
+    for (int p = 0; p < COLS / 2; ++p) {
       __m512 a = acc[r][p];
       if constexpr (T == Q6_K) {
-        __m512i first = _mm512_slli_epi32(wide(x[r].first + g * 8), sh);
-        __m512i second = _mm512_slli_epi32(wide(x[r].second + g * 8), sh);
-        for (int t = 0; t < 4; ++t) first = _mm512_dpbusd_epi32(first, v[t], wide(xt + 32 * t));
-        for (int t = 4; t < 8; ++t) second = _mm512_dpbusd_epi32(second, v[t], wide(xt + 32 * t));
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), _mm512_mul_ps(lo2, d), a);
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_mul_ps(hi2, d), a);
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first[p]), _mm512_mul_ps(lo2[p], d), a);
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second[p]), _mm512_mul_ps(hi2[p], d), a);
       } else {
-        __m512i sum;
-        if constexpr (sh >= 0 || T == Q8_0) sum = _mm512_slli_epi32(wide(x[r].sums + g * 8), sh >= 0 ? sh : 7);
-        else sum = _mm512_setzero_si512();
-        for (int t = 0; t < 8; ++t) sum = _mm512_dpbusd_epi32(sum, v[t], wide(xt + 32 * t));
-        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(ws2, d), a);
+        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(first[p], second[p])), _mm512_mul_ps(ws2[p], d), a);
       }
-      if constexpr (has_min(T)) a = _mm512_fmadd_ps(wm2, _mm512_broadcast_f32x8(_mm256_loadu_ps(x[r].ds + g * 8)), a);
+      if constexpr (has_min(T)) a = _mm512_fmadd_ps(wm2[p], _mm512_broadcast_f32x8(_mm256_loadu_ps(x[r].ds + g * 8)), a);
       acc[r][p] = a;
     }
   }
