@@ -218,3 +218,14 @@ def test_costs_that_timing_noise_made_cheaper_than_fewer_rows_are_raised():
     noisy = Costs((1.0, 0.996, 0.993, 1.0, 1.028, 1.039, 0.023, 0.019))
     assert noisy.relative == (1.0, 1.0, 1.0, 1.0, 1.028, 1.039, 1.039, 1.039)
     assert Costs((1.0, 1.2, 1.5)).relative == (1.0, 1.2, 1.5)  # plausible costs are kept as measured
+
+
+def test_remembered_costs_are_measured_again_for_another_build_of_the_kernels(monkeypatch, tmp_path):
+    """An upgrade changes what a verify costs: the key of a remembered measurement names the kernels' build."""
+    from tornchat.engine import fused, measurements
+
+    cache_file = tmp_path / "measurements.json"
+    measurements.remember(cache_file, measurements.cache_key("speculate: x", "checkpoint"), {"relative": [1.0, 1.1]})
+    assert measurements.recall(cache_file, measurements.cache_key("speculate: x", "checkpoint")) == {"relative": [1.0, 1.1]}
+    monkeypatch.setattr(fused, "build_id", lambda: "another build")
+    assert measurements.recall(cache_file, measurements.cache_key("speculate: x", "checkpoint")) is None

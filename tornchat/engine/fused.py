@@ -8,6 +8,7 @@ references here run instead. The references define the semantics, and
 the tests hold the C++ to them.
 """
 import importlib
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +26,15 @@ def _load():
 
 
 _native = _load()  # the compiled module, or None
+
+
+def build_id() -> str:
+    """Which build of the compiled module is loaded (its file's size and time), "" without one: what the
+    kernels were measured with (measurements.py) changes with it."""
+    if _native is None:
+        return ""
+    stat = Path(_native.__file__).stat()
+    return f"{stat.st_size}-{stat.st_mtime_ns}"
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, bf16_out: bool) -> torch.Tensor:

@@ -1,23 +1,23 @@
 """What was measured on this machine, remembered between starts in one small JSON file.
 
 A measurement (how much a speculative verify of r rows costs against one
-step, say) depends on the CPU, the checkpoint, torch and the thread count;
-each entry is kept under a key made of those, so a change of any of them
-measures again.
+step, say) depends on the CPU, the checkpoint, torch, the thread count and
+the build of our kernels; each entry is kept under a key made of those, so a
+change of any of them (an upgrade of tornchat included) measures again.
 """
 import hashlib
 import json
 
 import torch
 
-from tornchat.engine import cpu
+from tornchat.engine import cpu, fused
 
 MAX_ENTRIES = 32  # the most recent kept: test runs leave a checkpoint each
 
 
 def cache_key(what: str, checkpoint: str) -> str:
     depends_on = {"cpu": cpu.model_name(), "flags": sorted(cpu.flags()), "torch": torch.__version__,
-                  "threads": torch.get_num_threads(), "checkpoint": checkpoint, "what": what}
+                  "threads": torch.get_num_threads(), "kernels": fused.build_id(), "checkpoint": checkpoint, "what": what}
     return hashlib.sha256(json.dumps(depends_on).encode()).hexdigest()[:24]
 
 
