@@ -155,6 +155,26 @@ def test_one_row_is_its_row_of_many(type_name):
             assert torch.equal(blocks.mm(x[r : r + 1], [part], [type_name], isa), want[r : r + 1]), (isa, r)
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
+def test_quantization_edge_cases_agree(type_name):
+    """The activations' quantization (AVX-512: in vectors) on every path: zero blocks, NaNs (passed over by the
+    largest |x|, then clamped to -127), exact ties of the rounding to even, subnormals; 1, 4 and 70 rows."""
+    k = k_for(type_name)
+    part = make_part(type_name, 37, k, seed=29)
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(30))
+    x[1, 32:64] = 0.0
+    x[2, 5] = x[3, 40] = float("nan")
+    x[4, :32] = torch.arange(32) - 15.5
+    x[5, :32] = torch.arange(32) * 4.0 + 0.5 * (torch.arange(32) % 2)
+    x[6, 64:96] = (torch.arange(32) - 16) * 0.5
+    x[6, 95] = 127.0  # inverse exactly 1: 0.5, 1.5, ... ties, rounded to even
+    x[7, :] = torch.randn(k, generator=torch.Generator().manual_seed(31)) * 1e-40  # subnormal
+    for rows in (x[:1], x[2:3], x[6:7], x[:4], x[4:8], x):
+        outs = {isa: blocks.mm(rows, [part], [type_name], isa) for isa in isas()}
+        for isa, out in outs.items():
+            assert torch.equal(out.view(torch.int32), outs["generic"].view(torch.int32)), (isa, len(rows))
+
+
 def stacked_parts():
     """Q4_K_M's qkv: Q4_K q and k, Q6_K v; with a Q8_0 part for good measure."""
     return [make_part("Q4_K", 24, 512, 5), make_part("Q4_K", 8, 512, 6), make_part("Q6_K", 9, 512, 7),

@@ -43,12 +43,13 @@
 // once for the R rows (R up to 8, AVX-512 16), each (row, column) its own chain. AVX-512 holds two columns
 // per 512-bit register, each half doing the 256-bit operations. Two AVX-512 kernels skip that transpose
 // where it does not pay: one row alone (a decode step) folds each column's blocks in their own order
-// (quant_group_row), and from PANEL_ROWS rows (a prefill chunk) the columns are unpacked once into panels of
-// 16 that one VPDPBUSD takes against a row's broadcast activations (vnni_columns). Weights are prefetched
-// PREFETCH bytes ahead. The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one
-// block's exact dots for 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same
-// panels), so it too gives the same bits; block_isas() lists it first where the CPU and the kernel
-// (arch_prctl ARCH_REQ_XCOMP_PERM) allow it. TORNCHAT_ISA=avx512vnni turns it off.
+// (quant_group_row; not Q4_0, Q4_1, whose nibbles a few permutes put in the transposed layout: q4_pair), and
+// from PANEL_ROWS rows (a prefill chunk) the columns are unpacked once into panels of 16 that one VPDPBUSD
+// takes against a row's broadcast activations (vnni_columns). Weights are prefetched PREFETCH bytes ahead.
+// The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
+// 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same panels), so it too gives the
+// same bits; block_isas() lists it first where the CPU and the kernel (arch_prctl ARCH_REQ_XCOMP_PERM) allow
+// it. TORNCHAT_ISA=avx512vnni turns it off.
 #ifndef TORNCHAT_BLOCKS_PASS
 #include "blocks.h"
 
@@ -441,7 +442,7 @@ Isa chosen_isa() {
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
-void quantize_rows(const float* x, int64_t rows, int64_t k, Acts& a) {
+void quantize_rows(const float* x, int64_t rows, int64_t k, Acts& a, Isa isa) {
   a.rows = rows, a.k = k, a.nb = k / QK, a.nbp = (a.nb + 7) / 8 * 8;
   a.q.resize(rows * k);
   a.qt.assign(rows * a.nbp * QK, 0);
@@ -452,6 +453,12 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, Acts& a) {
   a.neg_second.assign(rows * a.nbp, 0);
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
+#ifdef TORNCHAT_X86
+      if (isa == Isa::avx512vnni || isa == Isa::amx) {
+        avx512vnni_path::quantize_row(x + r * k, r, a);
+        continue;
+      }
+#endif
       for (int64_t b = 0; b < a.nb; ++b) {
         const float* xb = x + r * k + b * QK;
         float largest = 0.0f;
@@ -515,8 +522,8 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
   const auto xf = x.to(at::kFloat).contiguous();
   auto out = at::empty({rows, n_total}, xf.options());
   if (rows == 0 || n_total == 0) return out;
-  Acts acts;
-  if (any_quant) quantize_rows(xf.data_ptr<float>(), rows, k, acts);
+  thread_local Acts acts;  // the calling thread's buffers, kept from call to call
+  if (any_quant) quantize_rows(xf.data_ptr<float>(), rows, k, acts, isa);
   if (any_quant && isa == Isa::amx && rows >= 16) tile_rows(acts);
   acts.rows = rows, acts.k = k;
 
@@ -647,6 +654,45 @@ inline __attribute__((always_inline)) __m256 halves(__m256i v) {  // the low 16 
   return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
 }
 
+#if PASS_VNNI == 2
+// A group of Q4_0 or Q4_1 blocks (b = 18 or 20 bytes: a 2- or 4-byte header, then 16 bytes of nibbles) by word
+// permutes of four 64-byte loads, where meta's gather and the 16-byte loads per block cost the one- and
+// few-row tiles more than their dot products: head, the 8 blocks' d (words 0-7) and minimums (words 8-15); qs[0],
+// qs[1], blocks 0-3's and 4-7's nibbles, a block per 128 bits. Blocks 0-3 lie in the group's first 128 bytes,
+// 4-7 in the 64 bytes from byte 4b and the group's last 64. Bytes past the row's blocks are not read: zeros.
+template <int64_t T>
+struct Q4Layout {
+  static constexpr int b = T == Q4_0 ? 18 : 20, h = b - 16, last = 8 * b - 64;  // block, header; last 64 from
+  int16_t head[32], lo[32], hi[32];  // word indices of the permutes
+  constexpr Q4Layout() : head(), lo(), hi() {
+    for (int j = 0; j < 4; ++j) {
+      head[j] = static_cast<int16_t>(j * b / 2), head[4 + j] = static_cast<int16_t>(32 + j * b / 2);
+      head[8 + j] = static_cast<int16_t>(head[j] + 1), head[12 + j] = static_cast<int16_t>(head[4 + j] + 1);
+      for (int i = 0; i < 8; ++i) {
+        const int at = j * b + h + 2 * i;  // word i of block j's (or j + 4's) nibbles, from byte 0 (or 4b)
+        lo[8 * j + i] = static_cast<int16_t>(at < 64 ? at / 2 : 32 + (at - 64) / 2);
+        hi[8 * j + i] = static_cast<int16_t>(at < 64 ? at / 2 : 32 + (at + 4 * b - last) / 2);
+      }
+    }
+  }
+};
+
+template <int64_t T>
+inline __attribute__((always_inline)) void q4_group(const uint8_t* row, int64_t g, int nj, __m512i& head, __m512i* qs) {
+  using L = Q4Layout<T>;
+  static constexpr L layout{};
+  const uint8_t* base = row + g * 8 * L::b;
+  const auto load = [&](int at) {
+    const int n = std::max(0, std::min(64, nj * L::b - at));
+    return n == 64 ? _mm512_loadu_si512(base + at) : _mm512_maskz_loadu_epi8((1ULL << n) - 1, base + at);
+  };
+  const __m512i t0 = load(0), t1 = load(64), t2 = load(4 * L::b), t3 = load(L::last);
+  head = _mm512_permutex2var_epi16(t0, _mm512_loadu_si512(layout.head), t2);
+  qs[0] = _mm512_permutex2var_epi16(t0, _mm512_loadu_si512(layout.lo), t1);
+  qs[1] = _mm512_permutex2var_epi16(t2, _mm512_loadu_si512(layout.hi), t3);
+}
+#endif
+
 template <int64_t T>
 inline __attribute__((always_inline)) void meta(const uint8_t* row, int64_t g, int nj, __m256& ws, __m256& wm,
                                                 __m256& lo, __m256& hi) {
@@ -704,6 +750,52 @@ inline __attribute__((always_inline)) void transpose8(__m256i* v) {
   v[2] = _mm256_permute2x128_si256(s2, s6, 0x20), v[6] = _mm256_permute2x128_si256(s2, s6, 0x31);
   v[3] = _mm256_permute2x128_si256(s3, s7, 0x20), v[7] = _mm256_permute2x128_si256(s3, s7, 0x31);
 }
+
+#if PASS_VNNI == 2
+// Row r of the activations into a (its padding already zero), as quantize_rows quantizes it: per block the same
+// fp32 operations on each value in vectors (the largest |x| with NaNs passed over, the product rounded to
+// nearest even, then clamped with a NaN going to -127), exact integer sums; each group's 8 blocks of q then
+// transposed once into Acts::qt's layout. A row's scalar loop cost the few-row products more than their dots.
+inline void quantize_row(const float* x, int64_t r, Acts& a) {
+  int8_t* q = a.q.data() + r * a.k;
+  for (int64_t g = 0; g * 8 < a.nb; ++g) {
+    __m256i v[8];
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = g * 8 + j, at = r * a.nbp + b;
+      if (b >= a.nb) {
+        v[j] = _mm256_setzero_si256();
+        continue;
+      }
+      const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16);
+      // max(v, acc) keeps acc where v is NaN, as std::max(acc, v)
+      const float largest = _mm512_reduce_max_ps(
+          _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps())));
+      const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+      int32_t sums[2];
+      __m128i bytes[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512 scaled = _mm512_roundscale_ps(_mm512_mul_ps(h ? x1 : x0, inverse),
+                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i level = _mm512_cvttps_epi32(
+            _mm512_min_ps(_mm512_max_ps(scaled, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f)));
+        sums[h] = _mm512_reduce_add_epi32(level);
+        bytes[h] = _mm512_cvtepi32_epi8(level);
+      }
+      v[j] = _mm256_set_m128i(bytes[1], bytes[0]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), v[j]);
+      const float d = largest / 127.0f;
+      a.d[at] = d;
+      a.ds[at] = d * static_cast<float>(sums[0] + sums[1]);
+      a.neg_sums[at] = -(sums[0] + sums[1]);
+      a.neg_first[at] = -sums[0];
+      a.neg_second[at] = -sums[1];
+    }
+    transpose8(v);
+    for (int t = 0; t < 8; ++t)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.qt.data() + (r * a.nbp + g * 8) * QK + 32 * t), v[t]);
+  }
+}
+#endif
 
 constexpr int64_t group_bytes(int64_t T) {
   return T == Q4_0 ? 144 : T == Q4_1 ? 160 : T == Q5_0 ? 176 : T == Q5_1 ? 192 : T == Q8_0 ? 272 :
@@ -839,6 +931,33 @@ inline __attribute__((always_inline)) void meta2(const uint8_t* row0, const uint
   }
 }
 
+// Q4_0, Q4_1: two weight rows' group (q4_group) straight into transpose8x2's layout, each row's 16 bytes of
+// nibbles per block transposed as 4 dwords (features 4t..4t+3 in the low nibbles, 16 + 4t.. in the high ones)
+// before the nibbles are split, and both rows' scales as meta2 gives them: the same levels and values.
+template <int64_t T>
+inline __attribute__((always_inline)) void q4_pair(const uint8_t* row0, const uint8_t* row1, int64_t g, int nj,
+                                                   __m512& ws, __m512& wm, __m512i* v) {
+  // lane 8s + j: dword s of block j (blocks 0-3 in the first table, a block per 4 dwords; 4-7 in the second)
+  alignas(64) static constexpr int32_t steps01[16] = {0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29};
+  const __m512i s01 = _mm512_load_si512(steps01), s23 = _mm512_add_epi32(s01, _mm512_set1_epi32(2));
+  __m512i head[2], qs[2][2], steps[2][2];
+  for (int r = 0; r < 2; ++r) {
+    q4_group<T>(r ? row1 : row0, g, nj, head[r], qs[r]);
+    steps[r][0] = _mm512_permutex2var_epi32(qs[r][0], s01, qs[r][1]);  // dwords 0 and 1 of blocks 0-7
+    steps[r][1] = _mm512_permutex2var_epi32(qs[r][0], s23, qs[r][1]);  // 2 and 3
+  }
+  const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(head[0]));
+  const __m512 f1 = _mm512_cvtph_ps(_mm512_castsi512_si256(head[1]));
+  ws = _mm512_shuffle_f32x4(f0, f1, 0x44);
+  wm = T == Q4_1 ? _mm512_shuffle_f32x4(f0, f1, 0xEE) : _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int t = 0; t < 4; ++t) {
+    const __m512i both = _mm512_shuffle_i64x2(steps[0][t / 2], steps[1][t / 2], t % 2 ? 0xEE : 0x44);
+    v[t] = _mm512_and_si512(both, low4);
+    v[t + 4] = _mm512_and_si512(_mm512_srli_epi16(both, 4), low4);
+  }
+}
+
 // Group g for R rows and the tile's 4 columns: the two column pairs' levels are unpacked and transposed first,
 // then each row loads its activations once per step for both pairs, and sums each half of its blocks (features
 // 0-15, 16-31) in its own chain, added at the end (exact int32): two chains in flight per pair, not one chain
@@ -856,6 +975,11 @@ inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* 
     for (int h = 0; h < 2; ++h)
       for (int off = 0; off < group_bytes(T); off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(w[2 * p + h] + g * group_bytes(T) + PREFETCH + off), _MM_HINT_T0);
+    if constexpr (T == Q4_0 || T == Q4_1) {
+      q4_pair<T>(w[2 * p], w[2 * p + 1], g, nj, ws2[p], wm2[p], v[p]);
+      lo2[p] = hi2[p] = _mm512_setzero_ps();
+      continue;
+    }
     meta2<T>(w[2 * p], w[2 * p + 1], g, nj, ws2[p], wm2[p], lo2[p], hi2[p]);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j)
@@ -911,21 +1035,14 @@ inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* 
 // their own order, two blocks per 512-bit VPDPBUSD against the activations as quantized (Acts::q), and the 16
 // lanes of 4-feature sums each gives are folded into the blocks' dots (Q6_K: their two halves' dots). The same
 // exact int32 dots as quant_group's, then its very fp32 operations: the same bits, in about half the vector
-// instructions (no 8 x 8 transpose per group and column).
+// instructions (no 8 x 8 transpose per group and column). Not Q4_0, Q4_1: their nibbles come transposed with
+// a few permutes (q4_pair), and quant_group512's tile of one row takes fewer instructions.
 template <int64_t T, int NJ>
 inline __attribute__((always_inline)) __m512i pair_levels(const uint8_t* row, int64_t g, int nj, int i) {
   if constexpr (T == Q4_K) {  // blocks 2i and 2i + 1 are the low and high nibbles of the same 32 bytes
     const __m512i qs = _mm512_broadcast_i64x4(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 144 + 16 + 32 * i)));
     return _mm512_and_si512(_mm512_mask_srli_epi16(qs, 0xFFFF0000u, qs, 4), _mm512_set1_epi8(0x0F));
-  } else if constexpr (T == Q4_0 || T == Q4_1) {  // each block's 16 bytes: low nibbles, then high ones
-    if (NJ) nj = NJ;
-    constexpr int bytes = T == Q4_0 ? 18 : 20, at = T == Q4_0 ? 2 : 4;
-    const uint8_t* first = row + (g * 8 + 2 * i) * bytes + at;
-    const __m128i second = 2 * i + 1 < nj ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(first + bytes)) : _mm_setzero_si128();
-    const __m256i both = _mm256_set_m128i(second, 2 * i < nj ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(first)) : _mm_setzero_si128());
-    const __m512i qs = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(both));
-    return _mm512_and_si512(_mm512_mask_srli_epi16(qs, 0xFF00FF00u, qs, 4), _mm512_set1_epi8(0x0F));
   } else {
     if (NJ) nj = NJ;
     const __m256i first = 2 * i < nj ? levels<T>(row, g, 2 * i) : _mm256_setzero_si256();
@@ -951,6 +1068,10 @@ inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const*
     __m512i p[4];  // pair i: lanes 0-7 block 2i's 4-feature sums in feature order, lanes 8-15 block 2i + 1's
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
+      if (2 * i >= nj) {  // a short last group's missing blocks: zero dots, as their zero levels give
+        p[i] = _mm512_setzero_si512();
+        continue;
+      }
       __m512i u = pair_levels<T, NJ>(w[c], g, nj, i);
       if constexpr (T == Q8_0) u = _mm512_xor_si512(u, _mm512_set1_epi8(static_cast<char>(0x80)));
       __m512i xq;
@@ -999,7 +1120,7 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
   const int64_t full = jb.nb / 8;
   __m256 acc[R][C];
 #if PASS_VNNI == 2
-  if constexpr (R == 1) {  // one row: its blocks in their own order (quant_group_row)
+  if constexpr (R == 1 && T != Q4_0 && T != Q4_1) {  // one row: its blocks in their own order (quant_group_row)
     const int8_t* q = a.q.data() + rows[0] * a.k;
     for (int c = 0; c < C; ++c) acc[0][c] = _mm256_setzero_ps();
     for (int64_t g = 0; g < full; ++g) quant_group_row<T, 8>(w, g, 8, q, x[0], acc[0]);
