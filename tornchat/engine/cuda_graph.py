@@ -36,6 +36,7 @@ from tornchat.engine import fused, quant
 
 STEP_ROWS = 8  # the most generations' rows one step takes; a step's products run on 1, 2, 4 or 8 rows
 GRAPH_LIMIT = 32  # captured combinations of caches kept; past it all are dropped (see GraphedSteps) and captured anew
+SEEN_LIMIT = 1024  # mixes of generations remembered as seen once
 
 Row = tuple[int, torch.Tensor, int]  # a one-token row: the token, the cache tensor it joins, its position there
 
@@ -138,6 +139,8 @@ class GraphedSteps:
         if captured is None or any(ref() is not kv for ref, kv in zip(captured.kvs, kvs)):
             captured = None  # not a reference to a stale graph: it must be gone before a capture
             if len(kvs) > 1 and self.seen[key] == 0:
+                if len(self.seen) >= SEEN_LIMIT:  # mixes that never came back (drafts of changing lengths)
+                    self.seen.clear()
                 self.seen[key] += 1
                 with torch.inference_mode():
                     return self.step_fn(self.runner, tokens, positions, kvs)[: len(rows)]
