@@ -46,8 +46,8 @@ def step(runner, tokens: torch.Tensor, positions: torch.Tensor, kvs: tuple[torch
     positions int64 [M] device tensors; kvs the caches [layers, 2, capacity, kv_heads, head_dim] of the first
     len(kvs) rows. Row r's key and value are written at positions[r] of kvs[r], and it attends over kvs[r] up
     to there; every row's key is written before any row attends, so rows of one cache see the ones before
-    them. The rows past len(kvs) are padding: they go through the matrices (a step's products run on a
-    fixed number of rows, whatever it holds) and nothing else. Returns fp32 logits [M, V]."""
+    them. The rows past len(kvs) are padding: they go through the matrices (the products run on all M rows,
+    so a step of M rows uses the same kernels whatever it holds) and nothing else. Returns fp32 logits [M, V]."""
     heads, kv_heads, head_dim = runner.heads, runner.kv_heads, runner.head_dim
     rows, used = tokens.shape[0], len(kvs)
     x = quant.dequantize(runner.weights.embed, runner.dtype, tokens)
