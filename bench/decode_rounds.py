@@ -14,7 +14,6 @@ median over rounds is the figure to report.
 import argparse
 import statistics
 from collections.abc import Callable
-from pathlib import Path
 
 import openai
 
@@ -42,10 +41,8 @@ def decode_rate(make_system: Callable[[int], e2e.System], threads: int, tokenize
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint-path", type=Path, help="a GGUF file (default: the embedded model)")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--llama-server", help="llama-server binary (default as bench/e2e.py)")
+    e2e.add_baseline_arguments(parser)
     args = parser.parse_args()
     model = args.checkpoint_path or checkpoint.default_gguf_path()
     llama_server = e2e.find_llama_server(args.llama_server)

@@ -502,6 +502,14 @@ def plot(report: dict) -> list[Path]:
     return [ttft, decode]
 
 
+def add_baseline_arguments(p: argparse.ArgumentParser) -> None:
+    """What every comparison with llama-server takes: the GGUF file both serve, their threads, the binary."""
+    p.add_argument("--checkpoint-path", type=Path, help="a GGUF file every system serves (default: the embedded model)")
+    p.add_argument("--threads", type=int, default=2, help="threads for every server (default 2)")
+    p.add_argument("--llama-server", metavar="PATH",
+                   help=f"llama.cpp's llama-server binary (default: $LLAMA_SERVER, else {DEFAULT_LLAMA_SERVER})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="End-to-end benchmark: tornchat against what users would pick instead")
     p.add_argument("--systems", default=",".join(name for name in SYSTEM_BUILDERS if name not in OPT_IN_SYSTEMS),
@@ -509,14 +517,10 @@ def main(argv: list[str] | None = None) -> int:
                         f"{' and '.join(OPT_IN_SYSTEMS)}; tornchat-defaults is tornchat's first row alone; llamacpp is "
                         f"llama.cpp's llama-server, the baseline; llamacpp-python is llama-cpp-python's Python server, "
                         f"never the baseline)")
-    p.add_argument("--llama-server", metavar="PATH",
-                   help=f"llama.cpp's llama-server binary, the llamacpp system (default: $LLAMA_SERVER, else "
-                        f"{DEFAULT_LLAMA_SERVER})")
     p.add_argument("--quick", action="store_true", help="fewer turns and tokens, for a smoke run")
-    p.add_argument("--threads", type=int, default=2, help="threads for every server (default 2)")
-    p.add_argument("--checkpoint-path", help="a GGUF file every system serves (default: the embedded model)")
+    add_baseline_arguments(p)
     args = p.parse_args(argv)
-    model = Path(args.checkpoint_path) if args.checkpoint_path else checkpoint.default_gguf_path()
+    model = args.checkpoint_path or checkpoint.default_gguf_path()
     # Turn kill into an exception, so the finally blocks stop the server being measured.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wanted = chosen_systems(p, args.systems, SYSTEM_BUILDERS)

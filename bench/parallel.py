@@ -18,7 +18,6 @@ import json
 import sys
 import threading
 import time
-from pathlib import Path
 
 from bench import agents_apis, e2e, servers
 from bench.common import free_port
@@ -91,10 +90,8 @@ def measure(system: e2e.System, port: int, threads: int, tokens: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint-path", type=Path, help="a GGUF file (default: the embedded model)")
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--llama-server", help="llama-server binary (default as bench/e2e.py)")
+    e2e.add_baseline_arguments(parser)
     args = parser.parse_args()
     model = args.checkpoint_path or checkpoint.default_gguf_path()
     slots = max(COUNTS)

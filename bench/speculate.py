@@ -64,8 +64,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench import servers, workloads
 from bench.common import RESULTS, free_port, stamp, write_results
-from bench.e2e import (STARTUP_TIMEOUT_S, System, chosen_systems, find_llama_server, fmt, launch, llama_server_problem,
-                       llamacpp_system, machine, stream_once)
+from bench.e2e import (STARTUP_TIMEOUT_S, System, add_baseline_arguments, chosen_systems, find_llama_server, fmt, launch,
+                       llama_server_problem, llamacpp_system, machine, stream_once)
 from tornchat import checkpoint
 from tornchat.weights import gguf_file
 
@@ -394,18 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="32 new tokens, one send per request: a smoke run")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 256; 32 with --quick)")
     p.add_argument("--repeats", type=int, help="sends of each request, medians taken (default 3; 1 with --quick)")
-    p.add_argument("--threads", type=int, default=2, help="threads for every server (default 2)")
     p.add_argument("--draft-tokens", type=int, default=10,
                    help="llama-server's --spec-ngram-simple-size-m for llamacpp-lookup: tokens drafted after a match "
                         "(default 10)")
-    p.add_argument("--llama-server", metavar="PATH",
-                   help="llama.cpp's llama-server binary, the llamacpp systems (default: $LLAMA_SERVER, else "
-                        "/work/llama-server/bin/llama-server)")
     p.add_argument("--workloads", help="comma-separated workload names (default: all; a prediction case needs its "
                                        "plain one too)")
-    p.add_argument("--checkpoint-path", help="a GGUF file every system serves (default: the embedded model)")
+    add_baseline_arguments(p)
     args = p.parse_args(argv)
-    model = Path(args.checkpoint_path) if args.checkpoint_path else checkpoint.default_gguf_path()
+    model = args.checkpoint_path or checkpoint.default_gguf_path()
     max_tokens = args.max_tokens or (32 if args.quick else 256)
     repeats = args.repeats or (1 if args.quick else 3)
     # Turn kill into an exception, so the finally blocks stop the server being measured.

@@ -8,9 +8,9 @@ references here run instead. The references define the semantics, and
 the tests hold the C++ to them.
 """
 import importlib
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
