@@ -35,6 +35,21 @@ def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits.clamp(max=LOGIT_CAP)
 
 
+def greedy_row(row_logits: torch.Tensor) -> tuple[int, float]:
+    """Rule 2 for one row [V]: the argmax of the sanitized logits (the lowest id on ties; 0 where no logit is
+    finite) and its log-probability (-inf there)."""
+    row_logits = row_logits.float()
+    # On a CPU, numpy's argmax (vectorized; torch's is several times slower there) stops at the first NaN: a row
+    # whose largest value is neither NaN nor past the cap is its own sanitized copy.
+    token = int(row_logits.numpy().argmax()) if row_logits.device.type == "cpu" else None
+    if token is None or not row_logits[token] <= LOGIT_CAP:
+        row_logits = sanitize_logits(row_logits)
+        token = int(torch.argmax(row_logits))
+    if row_logits[token] == float("-inf"):  # no finite logit at all
+        return 0, float("-inf")
+    return token, float(torch.log_softmax(row_logits, dim=-1)[token])
+
+
 def _row_generator(seed: int, step: int) -> torch.Generator:
     # Mix seed and step so consecutive steps of one request, and the same step
     # of neighbouring seeds, get unrelated streams.
@@ -87,23 +102,17 @@ def sample_reference(
     (top_k <= 0 means no top-k). ``step`` is the decode step, mixed into the
     randomness so each step draws fresh numbers.
     """
-    logits = sanitize_logits(logits)
     batch, vocab = logits.shape
     ids = torch.zeros(batch, dtype=torch.int64, device=logits.device)
     logprobs = torch.zeros(batch, dtype=torch.float32, device=logits.device)
     for row in range(batch):
-        row_logits = logits[row]
         # t stays an fp32 tensor: compared in fp32, the fp32 value of 0.01 is not
         # below GREEDY_TEMPERATURE (as a Python float it would be), as in the kernel.
         t, k, p = temperature[row].float(), int(top_k[row]), float(top_p[row])
         if bool(t < GREEDY_TEMPERATURE) or k == 1:
-            token = int(torch.argmax(row_logits))
-            if row_logits[token] == float("-inf"):  # no finite logit at all
-                logprobs[row] = float("-inf")
-                continue
-            ids[row] = token
-            logprobs[row] = torch.log_softmax(row_logits, dim=-1)[token]
+            ids[row], logprobs[row] = greedy_row(logits[row])
             continue
+        row_logits = sanitize_logits(logits[row])
         z = row_logits / t.to(row_logits.device)
         kept = truncation_mask(z, k, p).nonzero()[:, 0]  # ids, ascending
         if kept.numel() == 0:  # no finite logit at all

@@ -1,6 +1,5 @@
 """Prompt-lookup speculation: what the drafter proposes, how long its drafts are, and that the text never
 changes with it on (greedy and seeded, with every request option that touches the logits)."""
-import numpy as np
 import pytest
 import torch
 
@@ -19,31 +18,33 @@ FREE = Costs((1.0,) * 8)  # every draft as long as it can be
 LINEAR = Costs(tuple(float(r) for r in range(1, 9)))  # a verify costs its rows in steps: never pays
 
 
-def test_latest_end_finds_the_last_occurrence_that_something_follows():
-    tokens = np.array([5, 6, 7, 1, 5, 6, 9, 5, 6])
-    assert speculate._latest_end(tokens, np.array([5, 6])) == 6  # not the one at the very end
-    assert speculate._latest_end(tokens, np.array([6, 7, 1])) == 4
-    assert speculate._latest_end(tokens, np.array([4])) is None
-    assert speculate._latest_end(np.array([3]), np.array([3])) is None
+def test_a_lookup_finds_the_latest_occurrence_that_something_follows():
+    drafter = Drafter(FREE, [5, 6, 7, 1, 5, 6, 9, 5, 6], prediction=[])
+    assert drafter.propose(8) == [9, 5, 6]  # "5 6" last ends at 6 with a follower; the one at the very end has none
+    for token in (8, 5, 6):  # the reply's 8 follows the prompt's last "5 6", which now ends the latest one
+        drafter.append(token)
+    assert drafter.propose(8) == [8, 5, 6]
+    assert Drafter(FREE, [3], prediction=[3]).propose(4) == []  # one token, followed by nothing
+    assert speculate._latest_ends([5, 6, 5, 6, 7], 2) == {(5, 6): 4, (6, 5): 3}
 
 
 def test_longest_match_first_and_the_prediction_before_the_context():
-    drafter = Drafter(FREE, [1, 2, 3, 40, 41, 9, 3, 50, 51, 52, 2, 3], prediction=[], capacity=8)
+    drafter = Drafter(FREE, [1, 2, 3, 40, 41, 9, 3, 50, 51, 52, 2, 3], prediction=[])
     assert drafter.propose(2) == [40, 41]  # "2 3" matches once (at the start); "3" alone would say 50
-    drafter = Drafter(FREE, [8, 3, 50, 51, 9, 9, 3], prediction=[], capacity=8)
+    drafter = Drafter(FREE, [8, 3, 50, 51, 9, 9, 3], prediction=[])
     assert drafter.propose(3) == [50, 51, 9]  # only "3" matches; the most recent occurrence with a follower
-    drafter = Drafter(FREE, [7, 1, 2, 60, 1, 2], prediction=[1, 2, 70, 71], capacity=8)
+    drafter = Drafter(FREE, [7, 1, 2, 60, 1, 2], prediction=[1, 2, 70, 71])
     assert drafter.propose(4) == [70, 71]  # the prediction first, up to its end
-    assert Drafter(FREE, [1, 2, 3], prediction=[], capacity=8).propose(4) == []  # nothing to look up
+    assert Drafter(FREE, [1, 2, 3], prediction=[]).propose(4) == []  # nothing to look up
 
 
 def test_a_followed_draft_continues_where_it_left_off_not_at_the_latest_repeat():
     source = [10, 11, 12, 13, 14, 10, 11, 12, 15, 16]  # "10 11 12" twice: the latest copy goes to 15
-    drafter = Drafter(FREE, [99], prediction=source, capacity=16)
+    drafter = Drafter(FREE, [99], prediction=source)
     for token in (7, 10, 11, 12):  # a reply that did not start as the prediction does
         drafter.append(token)
     assert drafter.propose(2) == [15, 16]  # latest occurrence of "10 11 12"
-    drafter = Drafter(FREE, [99], prediction=source, capacity=16)
+    drafter = Drafter(FREE, [99], prediction=source)
     drafter.append(10)
     assert drafter.propose(2) == [11, 12]  # the reply so far is the prediction's start: its continuation
     drafter.follow = (True, 3)  # as if the draft had come from the first copy
@@ -65,7 +66,7 @@ def test_draft_length_is_the_best_bet_at_the_estimated_acceptance():
 
 def test_misses_shrink_drafts_to_none_and_faded_evidence_tries_again():
     costs = Costs((1.0, 1.2, 1.5, 1.75, 2.4))
-    drafter = Drafter(costs, [5, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], prediction=[], capacity=400)
+    drafter = Drafter(costs, [5, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], prediction=[])
     assert drafter.propose(4) == [4]  # "1 2 3": at the 3-gram prior (0.6), one draft is the best bet
     for _ in range(5):
         drafter.observe(0, 1)
@@ -106,17 +107,17 @@ def test_a_prediction_is_drafted_from_the_first_token_and_never_starves():
     """The reply's first token starts the prediction: drafting follows it at once (not after an n-gram has
     matched), and even where the estimate says drafts do not pay, one predicted token is tried, so that
     hits can raise the estimate again."""
-    drafter = Drafter(CHEAP, [5, 6, 7], prediction=[10, 11, 12, 13, 14], capacity=16)
+    drafter = Drafter(CHEAP, [5, 6, 7], prediction=[10, 11, 12, 13, 14])
     drafter.append(10)
     assert drafter.propose(8) == [11, 12, 13, 14]
-    costly = Drafter(LINEAR, [5, 6, 7], prediction=[10, 11, 12, 13, 14], capacity=16)
+    costly = Drafter(LINEAR, [5, 6, 7], prediction=[10, 11, 12, 13, 14])
     costly.append(10)
     assert costly.propose(8) == [11]  # LINEAR never pays, yet the prediction gets its test
     costly.observe(1, 1)
     costly.append(11)
     costly.append(12)
     assert costly.propose(8) == [13]
-    elsewhere = Drafter(LINEAR, [5, 6, 7], prediction=[10, 11, 12, 13], capacity=16)
+    elsewhere = Drafter(LINEAR, [5, 6, 7], prediction=[10, 11, 12, 13])
     elsewhere.append(99)  # the reply left the prediction: nothing of it follows
     assert elsewhere.propose(8) == []
 

@@ -94,7 +94,7 @@ def generate(
         chooser = Chooser(request, prompt, logits.shape[-1], logits.device, tokenizer)
         thinking = chooser.thinking
         outbox = Outbox(tokenizer, request.keep_special, request.stop, emit, thinking.observe if thinking else None)
-        drafter = speculate.Drafter(speculation, prompt, request.prediction_ids, budget) if speculation else None
+        drafter = speculate.Drafter(speculation, prompt, request.prediction_ids) if speculation else None
         rows = [logits]  # logits of the next positions: this step's, then one per draft fed after it
         drafts: list[int] = []  # tokens fed after this step's position that the chooser has yet to confirm
         fed = kept = 0  # drafts in the current verify, and how many the chooser confirmed
