@@ -252,37 +252,38 @@ inline __attribute__((always_inline)) void key_pair(const BFloat16* block, int64
   split_pairs(block + 2 * t * KEY_BLOCK, k0, k1);
 }
 
-// Dims 16c .. 16c + 15 of KV head h's values at positions j and j + 1 (j even), or at j alone (value_at's forward
-// layout; values points at position 0).
-inline __attribute__((always_inline)) void value_pair(const float* values, int64_t h, int64_t kv_heads, int64_t d,
-                                                      int64_t j, int64_t c, Vec& v0, Vec& v1) {
-  v0 = load(values + value_at<true, float>(j, h, c * LANES, kv_heads, d));
-  v1 = load(values + value_at<true, float>(j + 1, h, c * LANES, kv_heads, d));
-}
-inline __attribute__((always_inline)) void value_pair(const BFloat16* values, int64_t h, int64_t kv_heads, int64_t d,
-                                                      int64_t j, int64_t c, Vec& v0, Vec& v1) {
-  split_pairs(values + value_at<true, BFloat16>(j, h, c * LANES, kv_heads, d), v0, v1);
-}
-// Positions ahead that the weighted sum asks for before it reads them: a block further on, where the hardware
-// prefetcher has not gone.
-constexpr int64_t VALUE_AHEAD = 16;
+// Dims 16c .. 16c + 15 of KV head h's values, two positions at a time from an even j (value_at's forward layout;
+// values points at position 0), walked by pointer: value_at's divisions and products at every pair cost more
+// than the pair's multiply-adds.
 template <typename Kv>
-inline __attribute__((always_inline)) void prefetch_value(const Kv* values, int64_t h, int64_t kv_heads, int64_t d,
-                                                          int64_t j, int64_t c) {
-  __builtin_prefetch(values + value_at<true, Kv>(j, h, c * LANES, kv_heads, d));
-}
-template <typename Kv>
-inline __attribute__((always_inline)) Vec value_one(const Kv* values, int64_t h, int64_t kv_heads, int64_t d,
-                                                    int64_t j, int64_t c) {
-  Vec v0, v1;
-  if constexpr (std::is_same_v<Kv, float>) {
-    v0 = load(values + value_at<true, float>(j, h, c * LANES, kv_heads, d));
-    return v0;
-  } else {
-    value_pair(values, h, kv_heads, d, j / 2 * 2, c, v0, v1);
-    return j % 2 ? v1 : v0;
+struct ValuePairs {
+  const Kv* at;  // positions j and j + 1
+  int64_t j, d, within, across;  // within: the step to j + 2 inside a block of KEY_BLOCK; across: from a block's last pair
+  int64_t ahead;  // the same dims a block further on, where the hardware prefetcher has not gone
+
+  ValuePairs(const Kv* values, int64_t h, int64_t kv_heads, int64_t d_, int64_t j_, int64_t c)
+      : at(values + value_at<true, Kv>(j_, h, c * LANES, kv_heads, d_)), j(j_), d(d_), within(2 * d_),
+        across(2 * d_ + (kv_heads - 1) * KEY_BLOCK * d_), ahead(kv_heads * KEY_BLOCK * d_) {}
+
+  inline __attribute__((always_inline)) void read(Vec& v0, Vec& v1) const {
+    if constexpr (std::is_same_v<Kv, float>) {
+      v0 = load(at);
+      v1 = load(at + d);
+    } else {
+      split_pairs(at, v0, v1);
+    }
   }
-}
+  inline __attribute__((always_inline)) Vec read_first() const {  // position j alone (the last of an odd count)
+    Vec v0, v1;
+    read(v0, v1);
+    return v0;
+  }
+  inline __attribute__((always_inline)) void prefetch() const { __builtin_prefetch(at + ahead); }
+  inline __attribute__((always_inline)) void next() {
+    j += 2;
+    at += j & (KEY_BLOCK - 1) ? within : across;
+  }
+};
 
 // Scores of T queries over key blocks 0 .. blocks - 1 of one KV head (keys: its first block), into
 // scores[m * scores_stride + 16 b ..].
@@ -362,27 +363,27 @@ inline __attribute__((always_inline)) void attend_tile(const Query* queries, con
   for (int64_t c = 0; c < d / LANES; ++c) {
     Vec even[T], odd[T];
     for (int m = 0; m < T; ++m) even[m] = odd[m] = Vec{};
-    for (int64_t j = first_min / 2 * 2; j < shared; j += 2) {
-      prefetch_value(values, h, kv_heads, d, j + VALUE_AHEAD, c);
+    for (ValuePairs<Kv> pairs(values, h, kv_heads, d, first_min / 2 * 2, c); pairs.j < shared; pairs.next()) {
+      pairs.prefetch();
       Vec v0, v1;
-      value_pair(values, h, kv_heads, d, j, c, v0, v1);
+      pairs.read(v0, v1);
       for (int m = 0; m < T; ++m) {
-        even[m] += scores[m * width + j] * v0;
-        odd[m] += scores[m * width + j + 1] * v1;
+        even[m] += scores[m * width + pairs.j] * v0;
+        odd[m] += scores[m * width + pairs.j + 1] * v1;
       }
     }
     for (int m = 0; m < T; ++m) {
       // The same statements as above, without a branch between the sums: a conditional update is compiled as a
       // select, which may not fuse the multiply-add the way the statements above do.
       const float* w = scores + m * width;
-      int64_t j = shared;
-      for (; j + 2 <= queries[m].seen; j += 2) {
+      ValuePairs<Kv> pairs(values, h, kv_heads, d, shared, c);
+      for (; pairs.j + 2 <= queries[m].seen; pairs.next()) {
         Vec v0, v1;
-        value_pair(values, h, kv_heads, d, j, c, v0, v1);
-        even[m] += w[j] * v0;
-        odd[m] += w[j + 1] * v1;
+        pairs.read(v0, v1);
+        even[m] += w[pairs.j] * v0;
+        odd[m] += w[pairs.j + 1] * v1;
       }
-      if (j < queries[m].seen) even[m] += w[j] * value_one(values, h, kv_heads, d, j, c);
+      if (pairs.j < queries[m].seen) even[m] += w[pairs.j] * pairs.read_first();
       const Vec scaled = (even[m] + odd[m]) * inverse[m];
       std::memcpy(queries[m].out + c * LANES, &scaled, sizeof scaled);
     }
