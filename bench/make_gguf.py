@@ -24,18 +24,20 @@ what it writes.
 Prints the path of each file it wrote. Presets: 135m (the embedded model's
 shape), 1b (Llama-3.2-1B-like), 3b (Llama-3.2-3B-like), qwen3-0.6b and
 qwen3-4b (Qwen3's shapes: architecture qwen3, per-head q/k norms, head_dim
-128; still the embedded model's tokenizer), gemma3-1b (Gemma 3 1B's shape:
-architecture gemma3, sliding-window layers of 512 positions, post-attention
-and post-MLP norms, head_dim 256; the embedded model's tokens padded with
-<unusedN> to Gemma's 262,144, so that the embedding and the head have their
-real size, plus <bos>, <start_of_turn> and <end_of_turn> and Gemma's chat
-template), qwen3moe-3b (Qwen3-30B-A3B's structure at 3B: architecture
-qwen3moe, hidden 2048, 32 heads over 4 KV heads of 128, 24 layers each a
-mixture of 64 experts of 256 features, 8 of them per token; 2.97B
-parameters, 0.86B active per token with the embedding, 0.76B without; the
-router kept F32 as llama.cpp's quantizer keeps it); --layers, --hidden,
---ffn (an expert's, with experts), --heads, --kv-heads, --context-length,
---rope-theta, --experts and --experts-used override them.
+128; the embedded model's tokens and chat template, padded with <unusedN> to
+Qwen3's 151,936 so that the embedding and the head have their real size),
+gemma3-1b (Gemma 3 1B's shape: architecture gemma3, sliding-window layers of
+512 positions, post-attention and post-MLP norms, head_dim 256; the embedded
+model's tokens padded with <unusedN> to Gemma's 262,144, plus <bos>,
+<start_of_turn> and <end_of_turn> and Gemma's chat template), qwen3moe-3b
+(Qwen3-30B-A3B's structure at 3B: architecture qwen3moe, hidden 2048, 32
+heads over 4 KV heads of 128, 24 layers each a mixture of 64 experts of 256
+features, 8 of them per token; 2.97B parameters, 0.86B active per token with
+the embedding, 0.76B without; the router kept F32 as llama.cpp's quantizer
+keeps it; the embedded model's 49,152 tokens unpadded, as in the dense file
+it is compared with at as many active parameters). --layers, --hidden, --ffn
+(an expert's, with experts), --heads, --kv-heads, --context-length,
+--rope-theta, --experts, --experts-used and --vocab override them.
 """
 import argparse
 import ctypes
@@ -65,7 +67,7 @@ class Shape:
     arch: str = "llama"  # or "qwen3": per-head q/k norms; "qwen3moe": those and a mixture of experts; or "gemma3"
     key_length: int | None = None  # head_dim where heads * head_dim is not hidden (Qwen3, Gemma 3)
     sliding_window: int = 0  # Gemma 3: the windowed layers' (every layer but each 6th) window
-    vocab: int | None = None  # the embedded model's tokens padded to this many (Gemma 3's vocabulary size)
+    vocab: int | None = None  # the embedded model's tokens padded to this many (the real model's vocabulary size)
     experts: int = 0  # qwen3moe: experts per layer (each of ffn features), experts_used of them per token
     experts_used: int = 0
 
@@ -74,14 +76,15 @@ class Shape:
         return self.key_length or self.hidden // self.heads
 
 
+QWEN3_VOCAB = 151936  # Qwen3's embedding rows (its tokenizer's 151,669 tokens, padded)
 PRESETS = {
     "135m": Shape(layers=30, hidden=576, ffn=1536, heads=9, kv_heads=3),
     "1b": Shape(layers=16, hidden=2048, ffn=8192, heads=32, kv_heads=8),
     "3b": Shape(layers=28, hidden=3072, ffn=8192, heads=24, kv_heads=8),
     "qwen3-0.6b": Shape(layers=28, hidden=1024, ffn=3072, heads=16, kv_heads=8, context_length=40960,
-                        rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3", key_length=128),
+                        rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3", key_length=128, vocab=QWEN3_VOCAB),
     "qwen3-4b": Shape(layers=36, hidden=2560, ffn=9728, heads=32, kv_heads=8, context_length=40960,
-                      rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3", key_length=128),
+                      rope_theta=1000000.0, rms_eps=1e-6, arch="qwen3", key_length=128, vocab=QWEN3_VOCAB),
     "gemma3-1b": Shape(layers=26, hidden=1152, ffn=6912, heads=4, kv_heads=1, context_length=32768,
                        rope_theta=1000000.0, rms_eps=1e-6, arch="gemma3", key_length=256, sliding_window=512,
                        vocab=262144),
@@ -104,7 +107,8 @@ GEMMA_TEMPLATE = (
 )
 GEMMA_MARKERS = ("<bos>", "<start_of_turn>", "<end_of_turn>")  # control tokens after the embedded model's
 # Shape fields a command-line flag of the same name (--kv-heads for kv_heads) overrides.
-OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "context_length", "rope_theta", "experts", "experts_used")
+OVERRIDES = ("layers", "hidden", "ffn", "heads", "kv_heads", "context_length", "rope_theta", "experts", "experts_used",
+             "vocab")
 
 
 def tokenizer_fields(reader: gguf.GGUFReader) -> list[tuple]:
@@ -119,23 +123,34 @@ def tokenizer_fields(reader: gguf.GGUFReader) -> list[tuple]:
     return fields
 
 
-def gemma_tokenizer_fields(fields: list[tuple], vocab: int) -> list[tuple]:
-    """``tokenizer_fields`` as a Gemma-style vocabulary: the embedded model's tokens, then GEMMA_MARKERS as control
-    tokens (BOS and, as in Gemma's chat, <end_of_turn> as EOS), then <unusedN> up to ``vocab``; Gemma's chat
-    template; BOS added. Its byte-level merges stay those of the embedded model's tokens, so that no text
-    encodes to an <unusedN>; they are normal tokens all the same, which both servers spell out when random
-    weights pick them (llama.cpp writes nothing for a token typed unused)."""
+def padded_tokenizer_fields(fields: list[tuple], vocab: int, markers: tuple[str, ...] = ()) -> list[tuple]:
+    """``tokenizer_fields`` with the embedded model's tokens, then ``markers`` as control tokens, then <unusedN> up
+    to ``vocab``, so that the embedding and the head have the real model's size. The byte-level merges stay
+    those of the embedded model's tokens, so that no text encodes to an <unusedN>; they are normal tokens all
+    the same, which both servers spell out when random weights pick them (llama.cpp writes nothing for a token
+    typed unused, and would test every control token against every prompt)."""
     by_key = {key: (value, vtype, sub_type) for key, value, vtype, sub_type in fields}
     tokens, _, _ = by_key["tokenizer.ggml.tokens"]
     types, _, _ = by_key["tokenizer.ggml.token_type"]
-    first = len(tokens)
-    pad = vocab - first - len(GEMMA_MARKERS)
-    tokens = list(tokens) + list(GEMMA_MARKERS) + [f"<unused{i}>" for i in range(pad)]
-    types = list(types) + [gguf.TokenType.CONTROL] * len(GEMMA_MARKERS) + [gguf.TokenType.NORMAL] * pad
-    U32, ARRAY = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.ARRAY
+    pad = vocab - len(tokens) - len(markers)
+    if pad < 0:
+        raise SystemExit(f"--vocab {vocab}: the embedded model's tokenizer alone has {len(tokens) + len(markers)} tokens")
+    tokens = list(tokens) + list(markers) + [f"<unused{i}>" for i in range(pad)]
+    types = list(types) + [gguf.TokenType.CONTROL] * len(markers) + [gguf.TokenType.NORMAL] * pad
     by_key |= {
-        "tokenizer.ggml.tokens": (tokens, ARRAY, gguf.GGUFValueType.STRING),
-        "tokenizer.ggml.token_type": ([int(t) for t in types], ARRAY, gguf.GGUFValueType.INT32),
+        "tokenizer.ggml.tokens": (tokens, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING),
+        "tokenizer.ggml.token_type": ([int(t) for t in types], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32),
+    }
+    return [(key, value, vtype, sub_type) for key, (value, vtype, sub_type) in by_key.items()]
+
+
+def gemma_tokenizer_fields(fields: list[tuple], vocab: int) -> list[tuple]:
+    """``padded_tokenizer_fields`` as a Gemma-style vocabulary: GEMMA_MARKERS the control tokens after the embedded
+    model's (BOS and, as in Gemma's chat, <end_of_turn> as EOS); Gemma's chat template; BOS added."""
+    first = len(next(value for key, value, _, _ in fields if key == "tokenizer.ggml.tokens"))
+    U32 = gguf.GGUFValueType.UINT32
+    by_key = {key: (value, vtype, sub_type) for key, value, vtype, sub_type in padded_tokenizer_fields(fields, vocab, GEMMA_MARKERS)}
+    by_key |= {
         "tokenizer.ggml.bos_token_id": (first, U32, None),
         "tokenizer.ggml.eos_token_id": (first + 2, U32, None),
         "tokenizer.ggml.add_bos_token": (True, gguf.GGUFValueType.BOOL, None),
@@ -177,7 +192,8 @@ def write_f16(path: Path, name: str, shape: Shape, source: Path, seed: int, std:
     reader = gguf.GGUFReader(source)
     tokenizer = tokenizer_fields(reader)
     if shape.vocab:
-        tokenizer = gemma_tokenizer_fields(tokenizer, shape.vocab)
+        pad = gemma_tokenizer_fields if shape.arch == "gemma3" else padded_tokenizer_fields
+        tokenizer = pad(tokenizer, shape.vocab)
     vocab = len(next(value for key, value, _, _ in tokenizer if key == "tokenizer.ggml.tokens"))
     writer = gguf.GGUFWriter(path, shape.arch)
     writer.add_name(name)
@@ -279,6 +295,7 @@ def main() -> None:
     parser.add_argument("--rope-theta", type=float)
     parser.add_argument("--experts", type=int)
     parser.add_argument("--experts-used", type=int)
+    parser.add_argument("--vocab", type=int, help="pad the embedded model's tokens with <unusedN> to this many")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--std", type=float, default=0.02, help="std of the random normal weights; norms are 1")
     parser.add_argument("--threads", type=int, default=0, help="quantizer threads (0: all cores)")

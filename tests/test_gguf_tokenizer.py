@@ -134,3 +134,25 @@ def test_the_gemma_benchmark_vocabulary_chats_in_gemma_turns(tmp_path):
     assert ids == [bos, start, *text("user\nHi", add_special_tokens=False), end, *text("\n", add_special_tokens=False),
                    start, *text("model\n", add_special_tokens=False)]
     assert tokenizer.decode([vocab - 1]) == f"<unused{vocab - bos - 4}>"
+
+
+def test_the_qwen3_benchmark_vocabulary_is_padded_to_qwen3s_size_and_encodes_as_before(tmp_path):
+    """bench/make_gguf.py's qwen3 presets: the embedded model's tokens, then <unusedN> up to Qwen3's 151,936 rows,
+    so the embedding and the head have the real size; text and chats encode to the embedded model's ids."""
+    import gguf
+    import numpy as np
+    from bench.make_gguf import PRESETS, QWEN3_VOCAB, padded_tokenizer_fields, tokenizer_fields
+
+    assert PRESETS["qwen3-0.6b"].vocab == PRESETS["qwen3-4b"].vocab == QWEN3_VOCAB == 151_936
+    vocab = 60_000
+    embedded = tokenizer_fields(gguf.GGUFReader(checkpoint.default_gguf_path()))
+    fields = {key.removeprefix("tokenizer.ggml.").removeprefix("tokenizer."): value for key, value, _, _ in
+              padded_tokenizer_fields(embedded, vocab)}
+    fields["token_type"] = np.array(fields["token_type"], dtype=np.int32)
+    padded = gguf_tokenizer.build(gguf_file.GGUFFile(gguf_files.write_tokenizer(tmp_path / "q.gguf", **fields)))
+    original = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(checkpoint.default_gguf_path()))
+    assert len(padded) == vocab and padded.eos_token_id == original.eos_token_id
+    chat = [{"role": "user", "content": "Write <unused3> a haiku about rain."}]
+    assert padded.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False) == \
+        original.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert padded.decode([vocab - 1]) == f"<unused{vocab - len(original) - 1}>"
