@@ -188,7 +188,7 @@ def compiled_rate(runner, steps: int) -> float | str:
         compiled = torch.compile(cuda_graph.step, mode="reduce-overhead", fullgraph=True)
         cache = runner.new_cache()
         runner.forward(list(range(100, 100 + SHORT_PROMPT)), cache)
-        runner._reserve(cache, 1024)
+        runner.reserve(cache, 1024)
         token = torch.tensor([5], device="cuda")
         position = torch.tensor([SHORT_PROMPT], device="cuda")
         started = time.perf_counter()

@@ -83,6 +83,7 @@ def generate(
         runner.truncate(slot.cache, len(slot.tokens))
 
     try:
+        runner.reserve(slot.cache, len(prompt) + 1)  # the prompt and the first token: one allocation, not one a chunk
         for start in range(reused, len(prompt), PREFILL_CHUNK):
             if cancelled():
                 return

@@ -382,7 +382,7 @@ class LlamaRunner:
     def fork(self, cache: KVCache, length: int) -> KVCache:
         """A new cache holding a copy of the first ``length`` positions of cache."""
         forked = self.new_cache()
-        self._reserve(forked, length)
+        self.reserve(forked, length)
         forked.length = min(length, cache.length)
         held = _whole_blocks(forked.length)
         forked.kv[:, :, :held] = cache.kv[:, :, :held]
@@ -397,7 +397,7 @@ class LlamaRunner:
     def cache_bytes(self, cache: KVCache) -> int:
         return cache.kv.numel() * cache.kv.element_size()
 
-    def _reserve(self, cache: KVCache, length: int) -> None:
+    def reserve(self, cache: KVCache, length: int) -> None:
         capacity = cache.kv.shape[2]
         if length <= capacity:
             return
@@ -410,9 +410,11 @@ class LlamaRunner:
         kv = cache.kv.new_empty((*cache.kv.shape[:2], grown, *cache.kv.shape[3:]))
         held = _whole_blocks(cache.length)
         kv[:, :, :held] = cache.kv[:, :, :held]
-        # Zeros, not stale memory, past the length: the CUDA step attends over the whole capacity with the later
-        # positions masked, and a masked NaN still poisons the weighted sum (0 * NaN).
-        kv[:, :, held:] = 0
+        if self.graphs is not None:
+            # Zeros, not stale memory, past the length: the CUDA step attends over the whole capacity with the later
+            # positions masked, and a masked NaN still poisons the weighted sum (0 * NaN). Elsewhere attention reads
+            # no position past a row's own, and pages nothing writes stay out of the process's memory.
+            kv[:, :, held:] = 0
         cache.kv = kv
 
     @torch.inference_mode()
@@ -442,7 +444,7 @@ class LlamaRunner:
         if mode == "kernels":
             return self._logits(self._hidden(token_ids, cache))
         n = len(token_ids)
-        self._reserve(cache, n)
+        self.reserve(cache, n)
         x = self._embed(torch.tensor(token_ids, device=self.device))
         x = self._layers(x, cache, 0, exact=True)
         head = quant.dequantize(self.head, torch.float32)
@@ -479,7 +481,7 @@ class LlamaRunner:
             return []
         rows = []
         for token_ids, cache in batch:
-            self._reserve(cache, cache.length + len(token_ids))
+            self.reserve(cache, cache.length + len(token_ids))
             rows += [(token, cache.kv, cache.length + j) for j, token in enumerate(token_ids)]
         logits = self.graphs(rows)
         for token_ids, cache in batch:
@@ -491,7 +493,7 @@ class LlamaRunner:
         if self.step is not None:
             return self._hidden_many([(token_ids, cache)])
         n, start = len(token_ids), cache.length
-        self._reserve(cache, start + n)
+        self.reserve(cache, start + n)
         x = self._embed(torch.tensor(token_ids, device=self.device))
         x = self._layers(x, cache, start)
         cache.length = start + n
@@ -501,7 +503,7 @@ class LlamaRunner:
         """``_hidden`` of several sequences (distinct caches) in one C++ forward: their rows one after another."""
         starts, counts = [cache.length for _, cache in batch], [len(ids) for ids, _ in batch]
         for (_, cache), start, n in zip(batch, starts, counts):
-            self._reserve(cache, start + n)
+            self.reserve(cache, start + n)
         ids = torch.tensor([t for token_ids, _ in batch for t in token_ids], device=self.device)
         x = self._embed(ids)
         freqs, local = ([None if table is None else torch.cat([table[start : start + n] for start, n in zip(starts, counts)])

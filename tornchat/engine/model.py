@@ -40,6 +40,10 @@ class Runner(Protocol):
         where ``every`` (``verify``'s), else [1, V] of the last (``forward``'s), each what that call alone gives.
         The scheduler batches parallel generations through it; ``one_by_one`` is the plain version."""
 
+    def reserve(self, cache: Any, length: int) -> None:
+        """Make room in cache for ``length`` positions at once (a prompt's, before its chunks), so that it is not
+        grown, and copied, chunk by chunk."""
+
     def truncate(self, cache: Any, length: int) -> None:
         """Keep only the first ``length`` positions of cache."""
 
@@ -80,6 +84,9 @@ class HFRunner:
 
     def forward_many(self, batch) -> list[torch.Tensor]:
         return one_by_one(self, batch)
+
+    def reserve(self, cache, length: int) -> None:
+        pass  # a DynamicCache grows by concatenation, whatever it is told
 
     def truncate(self, cache, length: int) -> None:
         surplus = cache.get_seq_length() - length
