@@ -518,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"llama.cpp's llama-server, the baseline; llamacpp-python is llama-cpp-python's Python server, "
                         f"never the baseline)")
     p.add_argument("--quick", action="store_true", help="fewer turns and tokens, for a smoke run")
+    p.add_argument("--llama-context", type=int, default=4096,
+                   help="llama-server's -c (default 4096): room for the whole chat, which random weights can make longer "
+                        "than planned; it allocates a KV cache of that size at start, which counts in its peak RSS")
     add_baseline_arguments(p)
     args = p.parse_args(argv)
     model = args.checkpoint_path or checkpoint.default_gguf_path()
@@ -540,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, {args.threads} threads", flush=True)
     for builder in wanted:
         for system in SYSTEM_BUILDERS[builder](args.threads, free_port(), model, llama_server):
+            if system.name == "llamacpp":
+                system.command[system.command.index("-c") + 1] = str(args.llama_context)
             entry = report["systems"][system.name] = {"label": system.label, "command": system.command}
             if system.skip:
                 print(f"[{system.name}] skipped: {system.skip}", flush=True)
