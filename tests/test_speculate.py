@@ -79,8 +79,11 @@ def test_misses_shrink_drafts_to_none_and_faded_evidence_tries_again():
 
 
 def test_measured_costs_time_a_few_verify_sizes_and_interpolate_the_rest(monkeypatch):
-    """A start waits on the measurement: rows 1, 2, 4 and 8 are timed, the others interpolated."""
+    """A start waits on the measurement: rows 1, 2, 4 and 8 are timed, taking turns, the others interpolated;
+    each size keeps its fastest time, so a neighbour's load on one timing does not make drafts look dear; the
+    rounds stop after two once they have taken the budget."""
     clock, timed = [0.0], []
+    slowed = {2: 2}  # rows -> which of their timings a neighbour slows (the warm-up is the 0th)
 
     class Runner:  # a verify of r rows takes r + 1 units of a fake clock
         def new_cache(self):
@@ -94,13 +97,16 @@ def test_measured_costs_time_a_few_verify_sizes_and_interpolate_the_rest(monkeyp
 
         def verify(self, ids, cache):
             timed.append(len(ids))
-            clock[0] += len(ids) + 1
+            clock[0] += len(ids) + 1 + (100 if slowed.get(len(ids)) == timed.count(len(ids)) - 1 else 0)
             return torch.zeros(len(ids), 3)  # logits, read back as the loop reads them
 
     monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
-    costs = speculate.measure(Runner(), list(range(20)))
-    assert sorted(set(timed)) == [1, 2, 4, 8]
-    assert costs.relative == (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5)
+    costs = speculate.measure(Runner(), list(range(20)), repeats=5, budget_s=1e9)
+    assert timed == [1, 2, 4, 8] * 6  # the sizes in turn: a warm-up, then five rounds
+    assert costs.relative == (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5)  # the slowed 2-row timing is not the fastest
+    timed.clear()
+    speculate.measure(Runner(), list(range(20)), repeats=5, budget_s=10)  # a round takes 19 units or more
+    assert timed == [1, 2, 4, 8] * 3  # a warm-up and two rounds, though the first alone spent the budget
 
 
 def test_a_prediction_is_drafted_from_the_first_token_and_never_starves():

@@ -17,7 +17,6 @@ except from an explicit prediction: that is drafted from the first token of
 the reply, and at least one token of it whenever the reply matches it, so
 that evidence keeps coming and a low estimate can rise again.
 """
-import statistics
 import time
 from dataclasses import dataclass
 
