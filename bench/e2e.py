@@ -147,12 +147,13 @@ def llama_server_version(path: Path | None) -> str:
     return lines[0].removeprefix("version:").strip().replace(" (", ", ").replace(")", "") if lines else "unknown"
 
 
-def llamacpp_system(threads: int, port: int, model: Path, llama_server: Path | None) -> System:
+def llamacpp_system(threads: int, port: int, model: Path, llama_server: Path | None, context: int = 4096) -> System:
     """The llama.cpp baseline: llama.cpp's C++ server on the same file with the same thread count, the file's
-    own chat template (--jinja); ready when /health answers 200 (503 while it loads)."""
+    own chat template (--jinja), ``context`` positions (-c, split between its slots); ready when /health answers
+    200 (503 while it loads)."""
     command = [
         str(llama_server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "-t", str(threads), "-tb", str(threads), "-c", "4096", "--jinja",
+        "-t", str(threads), "-tb", str(threads), "-c", str(context), "--jinja",
     ]
     return System("llamacpp", f"llama.cpp llama-server ({llama_server_version(llama_server)}, {model.name})",
                   command, model.stem, "/health", skip=llama_server_problem(llama_server))
@@ -541,10 +542,10 @@ def main(argv: list[str] | None = None) -> int:
         "systems": {},
     }
     print(f"machine: {report['machine']['cpu']}, {report['machine']['cores']} cores, {args.threads} threads", flush=True)
+    builders = SYSTEM_BUILDERS | {"llamacpp": lambda threads, port, model, server: [
+        llamacpp_system(threads, port, model, server, args.llama_context)]}
     for builder in wanted:
-        for system in SYSTEM_BUILDERS[builder](args.threads, free_port(), model, llama_server):
-            if system.name == "llamacpp":
-                system.command[system.command.index("-c") + 1] = str(args.llama_context)
+        for system in builders[builder](args.threads, free_port(), model, llama_server):
             entry = report["systems"][system.name] = {"label": system.label, "command": system.command}
             if system.skip:
                 print(f"[{system.name}] skipped: {system.skip}", flush=True)

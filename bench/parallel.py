@@ -98,9 +98,8 @@ def main() -> int:
     port = free_port()
     tornchat = e2e.tornchat_systems(args.threads, port, model)[0]
     tornchat.command += ["--parallel", str(slots)]
-    llama = e2e.llamacpp_system(args.threads, port, model, e2e.find_llama_server(args.llama_server))
     # -np splits -c between the slots: give each the 4096 a single slot had.
-    llama.command[llama.command.index("-c") + 1] = str(4096 * slots)
+    llama = e2e.llamacpp_system(args.threads, port, model, e2e.find_llama_server(args.llama_server), 4096 * slots)
     llama.command += ["-np", str(slots)]
     print(e2e.machine(args.threads, e2e.find_llama_server(args.llama_server)))
     results = {}
