@@ -151,6 +151,18 @@ def test_a_row_gets_the_same_bits_whatever_path_it_takes(model_name, quantize, i
         assert kv is None or torch.equal(kv, first_kv)
 
 
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen3_moe", "tiny_gemma3"])
+def test_every_vector_path_gives_the_same_logits(model_name, request):
+    """One answer on every CPU: the block kernels sum integers, and attention's AVX2 loops make the fused
+    multiply-adds of its AVX-512 loops in the same order, so an AVX2-only machine scores a text as an AVX-512 one
+    does ("generic", the baseline without fused multiply-adds, is left out)."""
+    paths = [isa for isa in blocks.isas() if isa != "generic"] or ["generic"]
+    ids = list(range(100, 170))
+    scores = {isa: lean(request.getfixturevalue(model_name), "int4", isa=isa).score(ids) for isa in paths}
+    for isa, logits in scores.items():
+        assert torch.equal(logits, scores[paths[0]]), isa
+
+
 def test_the_kernels_track_the_weights_in_fp32(tiny_model):
     """The block kernels round activations to int8 per block of 32; against PyTorch on the same weights in
     fp32 the logits move by that rounding only."""

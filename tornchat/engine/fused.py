@@ -123,10 +123,12 @@ KEY_BLOCK = 16  # positions per block of the C++ forward's keys (forward_layout)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, scale: float,
-           window: int = 0) -> torch.Tensor:
+           window: int = 0, isa: str = "") -> torch.Tensor:
     """The C++ forward's attention (``attend_ref``'s semantics, each row's bits whatever rows come with it), over a
-    layer's keys and values in the forward's layout (``forward_layout``)."""
-    return _native.attend(q, keys, values, start, scale, window)
+    layer's keys and values in the forward's layout (``forward_layout``). isa: the block kernels' path beside
+    which it runs (``blocks.isas()``; "" for ``blocks.isa()``): "avx2" and "avxvnni" run its AVX2 loops, "generic"
+    its baseline loops, the others the best this CPU has. Every path but the baseline gives the same bits."""
+    return _native.attend(q, keys, values, start, scale, window, isa)
 
 
 def forward_layout(kv: torch.Tensor) -> torch.Tensor:

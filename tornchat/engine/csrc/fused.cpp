@@ -217,15 +217,19 @@ at::Tensor gate(const at::Tensor& gate_up, bool gelu) { return gelu ? gelu_mul(g
 // fixed order. A speculative verify's rows then equal one-token steps, and a prefill chunk's rows equal a
 // prompt fed token by token. Keys are blocked (key_at): a query's scores over 16 positions are one vector, each
 // lane its own sum over the dimensions, so there is no horizontal sum per key, and queries that share a KV head
-// (a step's grouped heads, a chunk's neighbouring rows) share each load of keys and values. The loops are cloned
-// per instruction set (vec.h).
+// (a step's grouped heads, a chunk's neighbouring rows) share each load of keys and values. The loops are compiled
+// once per instruction-set path (attend_path; vec.h), each product added to its sum in one fused multiply-add on
+// the vector paths, so that AVX2 and AVX-512 machines get the same bits.
 //
 // The semantics, per query q and position j (what attend_ref computes, up to fp32 rounding order):
 //   score_j = (sum over even i of q_i k_ji + sum over odd i of q_i k_ji) * scale, each sum in order of i;
 //   w_j = exp(score_j - max score), total = the 16-lane sums of w in order of 16-position groups, then a tree;
 //   out = (sum over even j of w_j v_j + sum over odd j of w_j v_j) / total, each sum in order of j.
 
-constexpr int TILE = 8;  // queries that share each load of keys and values: 2 T accumulators in registers
+// Queries that share each load of keys and values, at most: 2 T accumulators of 16 lanes in registers. AVX-512
+// has 32 registers of 16 lanes; AVX2 16 of 8, and its loops ran fastest at 2 (2026-11-27, Zen 5: 3 and 4 were
+// 1.3-1.5x slower); the baseline's at 1. A query's bits do not depend on its tile.
+constexpr int TILE = 8, AVX2_TILE = 2, BASELINE_TILE = 1;
 
 struct Query {
   const float* q;   // [head_dim]
@@ -235,27 +239,28 @@ struct Query {
 };
 
 // 32 bf16 in (a, b) pairs -> the a's and the b's as fp32: bf16 is the top half of an fp32.
-inline __attribute__((always_inline)) void split_pairs(const BFloat16* p, Vec& a, Vec& b) {
-  UintVec words;
-  std::memcpy(&words, p, sizeof words);
-  const UintVec low = words << 16, high = words & 0xffff0000u;
-  std::memcpy(&a, &low, sizeof a);
-  std::memcpy(&b, &high, sizeof b);
+template <typename F>
+inline __attribute__((always_inline)) void split_pairs(const BFloat16* p, F& a, F& b) {
+  const auto words = load_vec<typename Lanes<F>::Uint>(p);
+  a = bit_cast<F>(words << 16);
+  b = bit_cast<F>(words & 0xffff0000u);
 }
 
 // Dimensions 2t and 2t + 1 of a key block's 16 keys (key_at's forward layout).
-inline __attribute__((always_inline)) void key_pair(const float* block, int64_t t, Vec& k0, Vec& k1) {
-  k0 = load(block + 2 * t * KEY_BLOCK);
-  k1 = load(block + (2 * t + 1) * KEY_BLOCK);
+template <typename F>
+inline __attribute__((always_inline)) void key_pair(const float* block, int64_t t, F& k0, F& k1) {
+  k0 = load_vec<F>(block + 2 * t * KEY_BLOCK);
+  k1 = load_vec<F>(block + (2 * t + 1) * KEY_BLOCK);
 }
-inline __attribute__((always_inline)) void key_pair(const BFloat16* block, int64_t t, Vec& k0, Vec& k1) {
+template <typename F>
+inline __attribute__((always_inline)) void key_pair(const BFloat16* block, int64_t t, F& k0, F& k1) {
   split_pairs(block + 2 * t * KEY_BLOCK, k0, k1);
 }
 
 // Dims 16c .. 16c + 15 of KV head h's values, two positions at a time from an even j (value_at's forward layout;
 // values points at position 0), walked by pointer: value_at's divisions and products at every pair cost more
 // than the pair's multiply-adds.
-template <typename Kv>
+template <typename F, typename Kv>
 struct ValuePairs {
   const Kv* at;  // positions j and j + 1
   int64_t j, d, within, across;  // within: the step to j + 2 inside a block of KEY_BLOCK; across: from a block's last pair
@@ -265,16 +270,16 @@ struct ValuePairs {
       : at(values + value_at<true, Kv>(j_, h, c * LANES, kv_heads, d_)), j(j_), d(d_), within(2 * d_),
         across(2 * d_ + (kv_heads - 1) * KEY_BLOCK * d_), ahead(kv_heads * KEY_BLOCK * d_) {}
 
-  inline __attribute__((always_inline)) void read(Vec& v0, Vec& v1) const {
+  inline __attribute__((always_inline)) void read(F& v0, F& v1) const {
     if constexpr (std::is_same_v<Kv, float>) {
-      v0 = load(at);
-      v1 = load(at + d);
+      v0 = load_vec<F>(at);
+      v1 = load_vec<F>(at + d);
     } else {
       split_pairs(at, v0, v1);
     }
   }
-  inline __attribute__((always_inline)) Vec read_first() const {  // position j alone (the last of an odd count)
-    Vec v0, v1;
+  inline __attribute__((always_inline)) F read_first() const {  // position j alone (the last of an odd count)
+    F v0, v1;
     read(v0, v1);
     return v0;
   }
@@ -287,17 +292,17 @@ struct ValuePairs {
 
 // Scores of T queries over key blocks 0 .. blocks - 1 of one KV head (keys: its first block), into
 // scores[m * scores_stride + 16 b ..].
-template <int T, typename Kv>
+template <typename F, int T, typename Kv>
 inline __attribute__((always_inline)) void score_tile(const Query* queries, const Kv* keys, int64_t block_stride,
                                                       int64_t first_block, int64_t blocks, int64_t d, float scale,
                                                       float* scores, int64_t scores_stride) {
   for (int64_t b = first_block; b < blocks; ++b) {
     const Kv* block = keys + b * block_stride;
-    Vec even[T], odd[T];
-    for (int m = 0; m < T; ++m) even[m] = odd[m] = Vec{};
+    F even[T], odd[T];
+    for (int m = 0; m < T; ++m) even[m] = odd[m] = F{};
     for (int64_t t = 0; t < d / 2; ++t) {
       __builtin_prefetch(block + block_stride + 2 * t * KEY_BLOCK);  // the next block: one line per pair of dims
-      Vec k0, k1;
+      F k0, k1;
       key_pair(block, t, k0, k1);
       for (int m = 0; m < T; ++m) {
         even[m] += queries[m].q[2 * t] * k0;
@@ -305,8 +310,8 @@ inline __attribute__((always_inline)) void score_tile(const Query* queries, cons
       }
     }
     for (int m = 0; m < T; ++m) {
-      const Vec s = (even[m] + odd[m]) * scale;
-      std::memcpy(scores + m * scores_stride + b * KEY_BLOCK, &s, sizeof s);
+      const F s = (even[m] + odd[m]) * scale;
+      store_vec(scores + m * scores_stride + b * KEY_BLOCK, s);
     }
   }
 }
@@ -315,26 +320,28 @@ inline __attribute__((always_inline)) void score_tile(const Query* queries, cons
 // lanes there are selected away, never computed with: they may hold anything, NaN included); returns 1 / the
 // weights' total. The groups before first's add zeros and change no bit: a row's weights are the same whatever
 // begin its tile has.
+template <typename F>
 inline __attribute__((always_inline)) float softmax_row(float* scores, int64_t begin, int64_t first, int64_t seen) {
-  const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const Vec lowest = Vec{} - INFINITY;
-  Vec tops = lowest;
-  const auto inside = [&](int64_t j) {
-    const IntVec at = lane + static_cast<int32_t>(j);
+  static constexpr int32_t iota[LANES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const auto lane = load_vec<typename Lanes<F>::Int>(iota);
+  const F lowest = F{} - INFINITY;
+  F tops = lowest;
+  const auto inside = [&](int64_t j) __attribute__((always_inline)) {
+    const auto at = lane + static_cast<int32_t>(j);
     return (at >= static_cast<int32_t>(first)) & (at < static_cast<int32_t>(seen));
   };
   for (int64_t j = begin; j < seen; j += LANES) {
-    const Vec s = load(scores + j);
-    const Vec kept = inside(j) ? s : lowest;
-    tops = tops > kept ? tops : kept;
+    const F kept = select(inside(j), load_vec<F>(scores + j), lowest);
+    tops = select(tops > kept, tops, kept);
   }
-  float top = tops[0];
-  for (int l = 1; l < LANES; ++l) top = std::max(top, tops[l]);
-  Vec totals = Vec{};
+  float lanes[LANES];
+  store_vec(lanes, tops);
+  float top = lanes[0];
+  for (int l = 1; l < LANES; ++l) top = std::max(top, lanes[l]);
+  F totals = F{};
   for (int64_t j = begin; j < seen; j += LANES) {
-    const Vec e = exp_nonpositive(load(scores + j) - top);
-    const Vec kept = inside(j) ? e : Vec{};
-    std::memcpy(scores + j, &kept, sizeof kept);
+    const F kept = select(inside(j), exp_nonpositive(load_vec<F>(scores + j) - top), F{});
+    store_vec(scores + j, kept);
     totals += kept;
   }
   return 1.0f / sum(totals);
@@ -342,7 +349,7 @@ inline __attribute__((always_inline)) float softmax_row(float* scores, int64_t b
 
 // T queries of KV head h (keys: its first block; values: position 0 of the layer): scores, softmax, weighted
 // values, each query's sums in its own order whatever T is.
-template <int T, typename Kv>
+template <typename F, int T, typename Kv>
 inline __attribute__((always_inline)) void attend_tile(const Query* queries, const Kv* keys, const Kv* values,
                                                        int64_t h, int64_t kv_heads, int64_t d, float scale,
                                                        float* scores) {
@@ -353,19 +360,19 @@ inline __attribute__((always_inline)) void attend_tile(const Query* queries, con
   }
   const int64_t blocks = (seen_max + KEY_BLOCK - 1) / KEY_BLOCK, width = blocks * KEY_BLOCK;
   const int64_t first_block = first_min / KEY_BLOCK;
-  score_tile<T>(queries, keys, kv_heads * d * KEY_BLOCK, first_block, blocks, d, scale, scores, width);
+  score_tile<F, T>(queries, keys, kv_heads * d * KEY_BLOCK, first_block, blocks, d, scale, scores, width);
   float inverse[T];
   for (int m = 0; m < T; ++m)
-    inverse[m] = softmax_row(scores + m * width, first_block * KEY_BLOCK, queries[m].first, queries[m].seen);
+    inverse[m] = softmax_row<F>(scores + m * width, first_block * KEY_BLOCK, queries[m].first, queries[m].seen);
   // Positions all T see, two at a time (the even and odd sums), sharing each value load; then each query's own.
   // A query whose window starts later has zero weights at the positions before it: adding them changes no bit.
   const int64_t shared = seen_min / 2 * 2;
   for (int64_t c = 0; c < d / LANES; ++c) {
-    Vec even[T], odd[T];
-    for (int m = 0; m < T; ++m) even[m] = odd[m] = Vec{};
-    for (ValuePairs<Kv> pairs(values, h, kv_heads, d, first_min / 2 * 2, c); pairs.j < shared; pairs.next()) {
+    F even[T], odd[T];
+    for (int m = 0; m < T; ++m) even[m] = odd[m] = F{};
+    for (ValuePairs<F, Kv> pairs(values, h, kv_heads, d, first_min / 2 * 2, c); pairs.j < shared; pairs.next()) {
       pairs.prefetch();
-      Vec v0, v1;
+      F v0, v1;
       pairs.read(v0, v1);
       for (int m = 0; m < T; ++m) {
         even[m] += scores[m * width + pairs.j] * v0;
@@ -376,46 +383,74 @@ inline __attribute__((always_inline)) void attend_tile(const Query* queries, con
       // The same statements as above, without a branch between the sums: a conditional update is compiled as a
       // select, which may not fuse the multiply-add the way the statements above do.
       const float* w = scores + m * width;
-      ValuePairs<Kv> pairs(values, h, kv_heads, d, shared, c);
+      ValuePairs<F, Kv> pairs(values, h, kv_heads, d, shared, c);
       for (; pairs.j + 2 <= queries[m].seen; pairs.next()) {
-        Vec v0, v1;
+        F v0, v1;
         pairs.read(v0, v1);
         even[m] += w[pairs.j] * v0;
         odd[m] += w[pairs.j + 1] * v1;
       }
       if (pairs.j < queries[m].seen) even[m] += w[pairs.j] * pairs.read_first();
-      const Vec scaled = (even[m] + odd[m]) * inverse[m];
-      std::memcpy(queries[m].out + c * LANES, &scaled, sizeof scaled);
+      const F scaled = (even[m] + odd[m]) * inverse[m];
+      store_vec(queries[m].out + c * LANES, scaled);
     }
   }
 }
 
-template <typename Kv>
+// count (1 .. T) queries in one tile.
+template <typename F, int T, typename Kv>
 inline __attribute__((always_inline)) void attend_tiles(const Query* queries, int64_t count, const Kv* keys,
                                                         const Kv* values, int64_t h, int64_t kv_heads, int64_t d,
                                                         float scale, float* scores) {
-  switch (count) {
-    case 8: attend_tile<8>(queries, keys, values, h, kv_heads, d, scale, scores); break;
-    case 7: attend_tile<7>(queries, keys, values, h, kv_heads, d, scale, scores); break;
-    case 6: attend_tile<6>(queries, keys, values, h, kv_heads, d, scale, scores); break;
-    case 5: attend_tile<5>(queries, keys, values, h, kv_heads, d, scale, scores); break;
-    case 4: attend_tile<4>(queries, keys, values, h, kv_heads, d, scale, scores); break;
-    case 3: attend_tile<3>(queries, keys, values, h, kv_heads, d, scale, scores); break;
-    case 2: attend_tile<2>(queries, keys, values, h, kv_heads, d, scale, scores); break;
-    default: attend_tile<1>(queries, keys, values, h, kv_heads, d, scale, scores);
+  if constexpr (T > 1)
+    if (count < T) return attend_tiles<F, T - 1>(queries, count, keys, values, h, kv_heads, d, scale, scores);
+  attend_tile<F, T>(queries, keys, values, h, kv_heads, d, scale, scores);
+}
+
+// attend_tiles compiled for each instruction-set path (vec.h), each with its vectors and tile; the vector paths
+// give the same bits.
+#define ATTEND_ON(NAME, TARGET, F, T)                                                                               \
+  template <typename Kv>                                                                                            \
+  TARGET void NAME(const Query* queries, int64_t count, const Kv* keys, const Kv* values, int64_t h,                \
+                   int64_t kv_heads, int64_t d, float scale, float* scores) {                                       \
+    attend_tiles<F, T>(queries, count, keys, values, h, kv_heads, d, scale, scores);                                \
   }
+ATTEND_ON(attend_baseline, , Halves<Halves<Vec4>>, BASELINE_TILE)
+#ifdef VEC_X86
+ATTEND_ON(attend_avx2, TARGET_AVX2, Halves<Vec8>, AVX2_TILE)
+ATTEND_ON(attend_avx512, TARGET_AVX512, Vec, TILE)
+#endif
+#undef ATTEND_ON
+
+enum class AttendPath { baseline, avx2, avx512 };
+
+// The path attention takes beside the block kernels' path isa ("" for block_isa(), which TORNCHAT_ISA sets): the
+// best this CPU runs, lowered with the block kernels where they are lowered, so that TORNCHAT_ISA=avx2 runs the
+// AVX2 loops on any machine ("generic": the baseline, whose bits may differ: no fused multiply-add).
+AttendPath attend_path(const std::string& isa) {
+#ifdef VEC_X86
+  const std::string chosen = isa.empty() ? tornchat::block_isa() : isa;
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const AttendPath best = !avx2 ? AttendPath::baseline
+                          : __builtin_cpu_supports("avx512f") ? AttendPath::avx512 : AttendPath::avx2;
+  if (chosen == "generic") return AttendPath::baseline;
+  if ((chosen == "avx2" || chosen == "avxvnni") && chosen != tornchat::block_isas().front())
+    return std::min(best, AttendPath::avx2);
+  return best;
+#else
+  return AttendPath::baseline;
+#endif
 }
 
-CLONED
-void attend_tiles_fp32(const Query* queries, int64_t count, const float* keys, const float* values, int64_t h,
-                       int64_t kv_heads, int64_t d, float scale, float* scores) {
-  attend_tiles(queries, count, keys, values, h, kv_heads, d, scale, scores);
-}
-
-CLONED
-void attend_tiles_bf16(const Query* queries, int64_t count, const BFloat16* keys, const BFloat16* values, int64_t h,
-                       int64_t kv_heads, int64_t d, float scale, float* scores) {
-  attend_tiles(queries, count, keys, values, h, kv_heads, d, scale, scores);
+template <typename Kv>
+void attend_on(AttendPath path, const Query* queries, int64_t count, const Kv* keys, const Kv* values, int64_t h,
+               int64_t kv_heads, int64_t d, float scale, float* scores) {
+#ifdef VEC_X86
+  if (path == AttendPath::avx512) return attend_avx512(queries, count, keys, values, h, kv_heads, d, scale, scores);
+  if (path == AttendPath::avx2) return attend_avx2(queries, count, keys, values, h, kv_heads, d, scale, scores);
+#endif
+  attend_baseline(queries, count, keys, values, h, kv_heads, d, scale, scores);
 }
 
 // Rows of several sequences in one call (a batch of generations): sequence s has counts[s] consecutive rows of q
@@ -423,10 +458,10 @@ void attend_tiles_bf16(const Query* queries, int64_t count, const BFloat16* keys
 // key_at, value_at, [capacity, kv_heads, head_dim], fp32 or bf16 alike). q [rows, heads, head_dim] (fp32 or bf16).
 // Returns fp32 [rows, heads * head_dim]: each row attended over its sequence's positions up to its own,
 // softmax(scale * q . k) v, as fused.attend_ref computes it, the same bits whatever else is in the call. window: 0,
-// or how many positions, its own included, a row sees (the last ones: a sliding-window layer).
+// or how many positions, its own included, a row sees (the last ones: a sliding-window layer). path: attend_path's.
 at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
                        const std::vector<int64_t>& starts, const std::vector<int64_t>& counts, double scale,
-                       int64_t window) {
+                       int64_t window, AttendPath path) {
   RECORD_FUNCTION("tornchat::attend", std::vector<c10::IValue>());  // for torch.profiler (bench/decode_speed.py)
   const size_t seqs = keys.size();
   TORCH_CHECK(values.size() == seqs && starts.size() == seqs && counts.size() == seqs, "one cache, start and count per sequence");
@@ -434,12 +469,13 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
   const int64_t rows = queries.size(0), heads = queries.size(1), d = queries.size(2);
   TORCH_CHECK(seqs > 0, "no sequence");
   const int64_t kv_heads = keys[0].size(1), groups = heads / kv_heads;
+  const int64_t tile_size = path == AttendPath::avx512 ? TILE : path == AttendPath::avx2 ? AVX2_TILE : BASELINE_TILE;
   const bool bf16 = keys[0].scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || keys[0].scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(d % LANES == 0 && d <= 16 * LANES, "head_dim must be a multiple of 16, at most 256");
-  // Each sequence's KV heads' queries, (row, grouped head) in order, in tiles of TILE: a step's grouped heads
-  // share a tile, a chunk's neighbouring rows too. A query's bits do not depend on its tile.
+  // Each sequence's KV heads' queries, (row, grouped head) in order, in tiles of tile_size: a step's grouped
+  // heads share a tile, a chunk's neighbouring rows too.
   std::vector<int64_t> first_row(seqs), tiles(seqs), first_tile(seqs + 1, 0);
   int64_t longest = 0;
   for (size_t s = 0; s < seqs; ++s) {
@@ -451,7 +487,7 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                 "q does not fit the cache");
     TORCH_CHECK(keys[s].size(0) % KEY_BLOCK == 0, "the cache's capacity must be a multiple of 16 positions");
     first_row[s] = s ? first_row[s - 1] + counts[s - 1] : 0;
-    tiles[s] = (counts[s] * groups + TILE - 1) / TILE;
+    tiles[s] = (counts[s] * groups + tile_size - 1) / tile_size;
     first_tile[s + 1] = first_tile[s] + kv_heads * tiles[s];
     longest = std::max(longest, starts[s] + counts[s]);
   }
@@ -460,11 +496,11 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
   const float* qp = queries.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, first_tile[seqs], 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scores(TILE * ((longest + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK));
+    std::vector<float> scores(tile_size * ((longest + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK));
     for (int64_t t = first; t < last; ++t) {
       const int64_t s = std::upper_bound(first_tile.begin(), first_tile.end(), t) - first_tile.begin() - 1;
-      const int64_t local = t - first_tile[s], h = local / tiles[s], m0 = local % tiles[s] * TILE;
-      const int64_t count = std::min<int64_t>(TILE, counts[s] * groups - m0);
+      const int64_t local = t - first_tile[s], h = local / tiles[s], m0 = local % tiles[s] * tile_size;
+      const int64_t count = std::min<int64_t>(tile_size, counts[s] * groups - m0);
       Query tile[TILE];
       for (int64_t m = 0; m < count; ++m) {
         const int64_t r = (m0 + m) / groups, head = h * groups + (m0 + m) % groups, row = first_row[s] + r;
@@ -473,20 +509,21 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                         window ? std::max<int64_t>(0, seen - window) : 0};
       }
       if (bf16)
-        attend_tiles_bf16(tile, count, keys[s].data_ptr<BFloat16>() + h * d * KEY_BLOCK, values[s].data_ptr<BFloat16>(),
-                          h, kv_heads, d, float(scale), scores.data());
+        attend_on(path, tile, count, keys[s].data_ptr<BFloat16>() + h * d * KEY_BLOCK, values[s].data_ptr<BFloat16>(),
+                  h, kv_heads, d, float(scale), scores.data());
       else
-        attend_tiles_fp32(tile, count, keys[s].data_ptr<float>() + h * d * KEY_BLOCK, values[s].data_ptr<float>(), h,
-                          kv_heads, d, float(scale), scores.data());
+        attend_on(path, tile, count, keys[s].data_ptr<float>() + h * d * KEY_BLOCK, values[s].data_ptr<float>(), h,
+                  kv_heads, d, float(scale), scores.data());
     }
   });
   return out;
 }
 
-// One sequence: q [n, heads, head_dim] at positions start .. over keys and values (attend_many).
+// One sequence: q [n, heads, head_dim] at positions start .. over keys and values (attend_many), on the path
+// attend_path(isa) chooses.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale,
-                  int64_t window) {
-  return attend_many(q, {keys}, {values}, {start}, {q.size(0)}, scale, window);
+                  int64_t window, const std::string& isa) {
+  return attend_many(q, {keys}, {values}, {start}, {q.size(0)}, scale, window, attend_path(isa));
 }
 
 // A projection: its weights' parts in their GGML types (blocks.h), each row computed as if alone.
@@ -597,11 +634,11 @@ class Forward {
  public:
   // Per layer: vectors attn_norm, ffn_norm, bqkv and qk_norm (or empty); the parts and GGML types of wqkv, wo,
   // w13, w2.
-  // isa: the block kernels' path, one of block_isas().
+  // isa: the block kernels' path, one of block_isas(); attention takes attend_path(isa).
   Forward(const std::vector<at::Tensor>& vectors, const std::vector<std::vector<at::Tensor>>& parts,
           const std::vector<std::vector<int64_t>>& types, int64_t heads, int64_t kv_heads, double eps, double scale,
           const std::string& isa)
-      : heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale), isa_(isa) {
+      : heads_(heads), kv_heads_(kv_heads), eps_(eps), scale_(scale), isa_(isa), attend_path_(attend_path(isa)) {
     TORCH_CHECK(vectors.size() % 4 == 0 && parts.size() == vectors.size() && types.size() == parts.size(),
                 "4 vectors and 4 matrices per layer");
     for (size_t i = 0; i < vectors.size() / 4; ++i) {
@@ -674,7 +711,7 @@ class Forward {
                                          eps_, keys[s], values[s], starts[s], counts[s], heads_, kv_heads_);
       }
       const auto q = seqs == 1 ? queries[0] : at::cat(queries);
-      auto out = layer.wo(attend_many(q, keys, values, starts, counts, scale_, layer.window));
+      auto out = layer.wo(attend_many(q, keys, values, starts, counts, scale_, layer.window, attend_path_));
       x = x + (layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out);
       const auto h = rms_norm(x, layer.ffn_norm, eps_, false);
       out = layer.moe.w13.empty() ? layer.w2(gate(layer.w13(h), gelu_)) : mixture(layer.moe, h, gelu_);
@@ -689,6 +726,7 @@ class Forward {
   double eps_, scale_;
   bool gelu_ = false;
   std::string isa_;
+  AttendPath attend_path_;
 };
 
 }  // namespace
@@ -703,7 +741,7 @@ PYBIND11_MODULE(_fused, m) {
   m.def("gelu_mul", &gelu_mul, "gelu_tanh(gate) * up");
   m.def("attend", &attend, "causal attention of n rows over a cache in the forward's layout, each row as if alone",
         pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("start"),
-        pybind11::arg("scale"), pybind11::arg("window") = 0);
+        pybind11::arg("scale"), pybind11::arg("window") = 0, pybind11::arg("isa") = "");
   tornchat::define_blocks(m);
   pybind11::class_<Forward>(m, "Forward")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<std::vector<at::Tensor>>&,
