@@ -330,8 +330,12 @@ inline __attribute__((always_inline)) float softmax_row(float* scores, int64_t b
     const auto at = lane + static_cast<int32_t>(j);
     return (at >= static_cast<int32_t>(first)) & (at < static_cast<int32_t>(seen));
   };
+  // Only a group that straddles first or seen needs its lanes' mask: building one took as long as the rest of
+  // the row's softmax on AVX-512, where a comparison yields a mask register and GCC widens it to a vector.
+  const auto straddles = [&](int64_t j) __attribute__((always_inline)) { return j < first || j + LANES > seen; };
   for (int64_t j = begin; j < seen; j += LANES) {
-    const F kept = select(inside(j), load_vec<F>(scores + j), lowest);
+    F kept = load_vec<F>(scores + j);
+    if (straddles(j)) kept = select(inside(j), kept, lowest);
     tops = select(tops > kept, tops, kept);
   }
   float lanes[LANES];
@@ -340,7 +344,8 @@ inline __attribute__((always_inline)) float softmax_row(float* scores, int64_t b
   for (int l = 1; l < LANES; ++l) top = std::max(top, lanes[l]);
   F totals = F{};
   for (int64_t j = begin; j < seen; j += LANES) {
-    const F kept = select(inside(j), exp_nonpositive(load_vec<F>(scores + j) - top), F{});
+    F kept = exp_nonpositive(load_vec<F>(scores + j) - top);
+    if (straddles(j)) kept = select(inside(j), kept, F{});
     store_vec(scores + j, kept);
     totals += kept;
   }
