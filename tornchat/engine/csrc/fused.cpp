@@ -433,6 +433,9 @@ enum class AttendPath { baseline, avx2, avx512 };
 // best this CPU runs, lowered with the block kernels where they are lowered, so that TORNCHAT_ISA=avx2 runs the
 // AVX2 loops on any machine ("generic": the baseline, whose bits may differ: no fused multiply-add).
 AttendPath attend_path(const std::string& isa) {
+  const auto isas = tornchat::block_isas();
+  TORCH_CHECK(isa.empty() || std::find(isas.begin(), isas.end(), isa) != isas.end(), "isa='", isa,
+              "' is not an instruction-set path this CPU runs");
 #ifdef VEC_X86
   const std::string chosen = isa.empty() ? tornchat::block_isa() : isa;
   __builtin_cpu_init();
@@ -440,7 +443,7 @@ AttendPath attend_path(const std::string& isa) {
   const AttendPath best = !avx2 ? AttendPath::baseline
                           : __builtin_cpu_supports("avx512f") ? AttendPath::avx512 : AttendPath::avx2;
   if (chosen == "generic") return AttendPath::baseline;
-  if ((chosen == "avx2" || chosen == "avxvnni") && chosen != tornchat::block_isas().front())
+  if ((chosen == "avx2" || chosen == "avxvnni") && chosen != isas.front())
     return std::min(best, AttendPath::avx2);
   return best;
 #else
