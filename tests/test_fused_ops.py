@@ -116,6 +116,12 @@ def test_attention_gives_the_same_bits_on_every_vector_path(kv_dtype, heads, kv_
         torch.testing.assert_close(outs["generic"], outs[paths[0]], atol=1e-4, rtol=1e-4)
 
 
+def test_attention_refuses_a_path_this_cpu_does_not_run():
+    keys, values = fused.forward_layout(torch.zeros(2, 16, 1, 64))
+    with pytest.raises(RuntimeError, match="isa='vliw' is not an instruction-set path this CPU runs"):
+        fused.attend(torch.zeros(1, 1, 64), keys, values, 0, 1.0, 0, "vliw")
+
+
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 def test_the_forward_layout_is_a_permutation(kv_dtype):
     cache = torch.randn(3, 2, 48, 2, 32).to(kv_dtype)
