@@ -9,16 +9,19 @@ loop does), the fraction of the bandwidth limit the graph reaches (weight
 bytes plus the KV bytes attention reads per token, times tokens/s, over
 the device-to-device copy bandwidth measured in the same run), and the
 time to the first token of a 2,000-token prompt (prefill in the engine's
-512-token chunks). Then several streams' rows in shared steps against a
+512-token chunks), and how many kernels one step launches on PyTorch's
+ops and on our kernels (``step_ops``). Then several streams' rows in shared steps against a
 step per row: one stream, 2 and 4 streams stepped together, whether the 4
 decode what they decode alone, and what a verify of r rows costs against
 one step. Then transformers' fast path on the same weights:
 ``generate`` with a static cache and ``torch.compile(mode="reduce-overhead")``;
-and our step compiled the same way against the hand-captured graph.
+and our step on PyTorch's ops compiled the same way, and compiled by
+Inductor inside our captured graph: Inductor's fusion against our kernels.
 
     python -m bench.gpu [--shapes 135m 1b 8b] [--steps 128] [--no-hf] [--no-compile]
 """
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.common import greedy_steps_rate, write_results
-from tornchat.engine import cuda_graph, llama, speculate
+from tornchat.engine import cuda_graph, llama, speculate, step_ops
 from tornchat.engine.model import PREFILL_CHUNK
 
 SHAPES = {  # hidden, FFN, layers, heads, KV heads, vocabulary, tied embedding
@@ -84,9 +87,7 @@ def decode_rate(runner, steps: int) -> tuple[float, int]:
     logits = runner.forward(list(range(100, 100 + SHORT_PROMPT)), cache)
     _, token = greedy_steps_rate(runner, cache, int(logits.argmax()), 8)  # warm: captures, allocator
     rate, _ = greedy_steps_rate(runner, cache, token, steps)
-    # The graph attends over the cache's capacity (masked); the eager step over the filled length.
-    read = cache.kv.shape[2] if runner.graphs is not None else cache.length - steps // 2
-    return rate, read
+    return rate, cache.length - steps // 2
 
 
 def together(runner, streams: int, steps: int) -> tuple[float, list[list[int]]]:
@@ -169,6 +170,8 @@ def ours(shape: str, model, steps: int, bandwidth: float, compile_step: bool) ->
                 row["weight_gb"] = round(weight_bytes(runner) / 1e9, 3)
                 row["ttft_2000_ms"] = round(1000 * ttft(runner, prompt_ids), 1)
                 row["captures"] = runner.graphs.captures
+                row["kernels_per_step"] = {"pytorch": kernels_per_step(runner, step_ops.REFERENCE),
+                                           "ours": kernels_per_step(runner, step_ops.triton_ops())}
                 if group != 32:
                     row["rows_per_step"] = rows_per_step(spec, packed, steps, prompt_ids)
                 if compile_step and group != 32:
@@ -182,10 +185,34 @@ def ours(shape: str, model, steps: int, bandwidth: float, compile_step: bool) ->
     return rows
 
 
-def compiled_rate(runner, steps: int) -> float | str:
-    """Our step through torch.compile(mode="reduce-overhead") on a fixed cache, tokens/s; or why it failed."""
+def kernels_per_step(runner, ops: step_ops.StepOps) -> int | str:
+    """CUDA kernels one eager step of one row launches with ``ops`` (what its captured graph replays); or why the
+    profiler could not count them."""
     try:
-        compiled = torch.compile(cuda_graph.step, mode="reduce-overhead", fullgraph=True)
+        return _kernels_per_step(runner, ops)
+    except Exception as exc:  # noqa: BLE001 (a failed count is a result to report)
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def _kernels_per_step(runner, ops: step_ops.StepOps) -> int:
+    cache = runner.new_cache()
+    runner.forward(list(range(100, 100 + SHORT_PROMPT)), cache)
+    token, position = torch.tensor([5], device="cuda"), torch.tensor([SHORT_PROMPT], device="cuda")
+    with torch.inference_mode():
+        cuda_graph.step(runner, token, position, (cache.kv,), ops)  # compiles the kernels outside the count
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            cuda_graph.step(runner, token, position, (cache.kv,), ops)
+            torch.cuda.synchronize()
+    return sum(1 for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def compiled_rate(runner, steps: int) -> float | str:
+    """Our step on PyTorch's ops (``step_ops.REFERENCE``) through torch.compile(mode="reduce-overhead") on a fixed
+    cache, tokens/s; or why it failed."""
+    try:
+        compiled = torch.compile(functools.partial(cuda_graph.step, ops=step_ops.REFERENCE), mode="reduce-overhead",
+                                 fullgraph=True)
         cache = runner.new_cache()
         runner.forward(list(range(100, 100 + SHORT_PROMPT)), cache)
         runner.reserve(cache, 1024)
@@ -208,11 +235,13 @@ def compiled_rate(runner, steps: int) -> float | str:
 
 
 def captured_compiled_rate(spec, weights, steps: int) -> dict | str:
-    """``step`` compiled by Inductor (its fused kernels, no CUDA graphs of its own) inside our captured graph."""
+    """``step`` on PyTorch's ops compiled by Inductor (its fused kernels, no CUDA graphs of its own) inside our
+    captured graph: Inductor's fusion against our kernels'."""
     try:
         runner = llama.LlamaRunner(spec, weights)
         started = time.perf_counter()
-        runner.graphs = cuda_graph.GraphedSteps(runner, torch.compile(cuda_graph.step, fullgraph=True, dynamic=False))
+        step = functools.partial(cuda_graph.step, ops=step_ops.REFERENCE)
+        runner.graphs = cuda_graph.GraphedSteps(runner, torch.compile(step, fullgraph=True, dynamic=False))
         cache = runner.new_cache()
         token = int(runner.forward(list(range(100, 100 + SHORT_PROMPT)), cache).argmax())
         token = int(runner.forward([token], cache, decode=True).argmax())

@@ -1,9 +1,11 @@
 """Decode steps on CUDA, captured as CUDA graphs and replayed: one row, or one row of each of several generations.
 
 At batch 1 a decode step reads every weight once, so its limit is memory
-bandwidth; but an eager step launches ~15 kernels per layer, each costing
-the CPU a few microseconds, and for all but the largest models the GPU
-waits on those launches. A captured step replays them with one launch.
+bandwidth; but an eager step launches tens of kernels per layer, each
+costing the CPU a few microseconds, and for all but the largest models the
+GPU waits on those launches. A captured step replays them with one launch,
+and its small operations are Triton kernels of our own (``step_ops``), so
+that a layer is ten kernels rather than ~35 back to back.
 
 A generation's rows run one per step, also a verify's (its drafts' rows in
 turn), so its reply is the same bits with speculation or without. Rows of
@@ -21,18 +23,18 @@ the tokens and positions are device tensors, filled before each replay;
 the KV caches are the rows' own tensors (one graph per combination of
 them: a cache that grows is a new tensor, captured anew; ``LlamaRunner``
 grows CUDA caches by doubling so that happens a few times per
-conversation); and attention runs over each cache's whole capacity,
-masking the positions after the row's, so the graph does not depend on
-the length.
+conversation); and attention reads each row's position on the device and
+stops there (its PyTorch reference, ``step_ops.attend_ref``, runs over the
+whole capacity with the later positions masked), so the graph does not
+depend on the length.
 """
 import weakref
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from tornchat.engine import fused, quant
+from tornchat.engine import quant, step_ops
 
 STEP_ROWS = 8  # the most generations' rows one step takes; a step's products run on 1, 2, 4 or 8 rows
 GRAPH_LIMIT = 32  # captured combinations of caches kept; past it all are dropped (see GraphedSteps) and captured anew
@@ -41,44 +43,34 @@ SEEN_LIMIT = 1024  # mixes of generations remembered as seen once
 Row = tuple[int, torch.Tensor, int]  # a one-token row: the token, the cache tensor it joins, its position there
 
 
-def step(runner, tokens: torch.Tensor, positions: torch.Tensor, kvs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def step(runner, tokens: torch.Tensor, positions: torch.Tensor, kvs: tuple[torch.Tensor, ...],
+         ops: step_ops.StepOps | None = None) -> torch.Tensor:
     """The lean forward (``LlamaRunner._layers``) of one-token rows with no host value in it: tokens and
     positions int64 [M] device tensors; kvs the caches [layers, 2, capacity, kv_heads, head_dim] of the first
     len(kvs) rows. Row r's key and value are written at positions[r] of kvs[r], and it attends over kvs[r] up
     to there; every row's key is written before any row attends, so rows of one cache see the ones before
     them. The rows past len(kvs) are padding: they go through the matrices (the products run on all M rows,
-    so a step of M rows uses the same kernels whatever it holds) and nothing else. Returns fp32 logits [M, V]."""
-    heads, kv_heads, head_dim = runner.heads, runner.kv_heads, runner.head_dim
+    so a step of M rows uses the same kernels whatever it holds) and nothing else. ``ops``: the small
+    operations' implementations (default: ``step_ops.ops_for`` the tokens' device). Returns fp32 logits [M, V]."""
+    ops = ops or step_ops.ops_for(tokens)
+    heads, kv_heads, eps = runner.heads, runner.kv_heads, runner.eps
     rows, used = tokens.shape[0], len(kvs)
     x = quant.dequantize(runner.weights.embed, runner.dtype, tokens)
-    freqs = runner.rope.index_select(0, positions)
-    visible = [(torch.arange(kv.shape[2], device=kv.device) <= positions[r])[None, None, None, :]
-               for r, kv in enumerate(kvs)]
+    delta = None  # what the previous block adds to the residual stream x, added in the next norm's kernel
     for i, layer in enumerate(runner.layers):
-        h = fused.rms_norm_ref(x, layer.attn_norm, runner.eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
+        x, h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, quant.input_dtype(layer.wqkv))
         qkv = quant.linear(h, layer.wqkv)
-        if layer.bqkv is not None:
-            qkv = qkv + layer.bqkv
-        rotated = fused.rope_ref(qkv, freqs, heads, kv_heads, head_dim, layer.qk_norm, runner.eps)
-        new_keys = rotated[:, heads:]
-        new_values = qkv[:, (heads + kv_heads) * head_dim :].reshape(rows, kv_heads, head_dim)
-        for r, kv in enumerate(kvs):
-            keys, values = kv[i].unbind()
-            keys.index_copy_(0, positions[r : r + 1], new_keys[r : r + 1].to(kv.dtype))
-            values.index_copy_(0, positions[r : r + 1], new_values[r : r + 1].to(kv.dtype))
-        attended = []
-        for r, kv in enumerate(kvs):
-            keys, values = kv[i].unbind()
-            q = rotated[r, :heads].to(kv.dtype).reshape(1, kv_heads, heads // kv_heads, head_dim)
-            out = F.scaled_dot_product_attention(q, keys[None].transpose(1, 2), values[None].transpose(1, 2),
-                                                 attn_mask=visible[r], scale=runner.scale)
-            attended.append(out.reshape(1, heads * head_dim))
+        queries = [ops.rope_store(qkv[r : r + 1], layer.bqkv, runner.rope, positions[r : r + 1], *kv[i].unbind(),
+                                  heads, kv_heads, layer.qk_norm, eps) for r, kv in enumerate(kvs)]
+        attended = [ops.attend(q, *kv[i].unbind(), positions[r : r + 1], runner.scale)
+                    for r, (q, kv) in enumerate(zip(queries, kvs))]
         if used < rows:
-            attended.append(attended[0].new_zeros(rows - used, heads * head_dim))
-        x = x + quant.linear(torch.cat(attended) if len(attended) > 1 else attended[0], layer.wo)
-        h = fused.rms_norm_ref(x, layer.ffn_norm, runner.eps, quant.input_dtype(layer.w13) == torch.bfloat16)
-        x = x + quant.linear(fused.silu_mul_ref(quant.linear(h, layer.w13)), layer.w2)
-    return runner._logits(x)
+            attended.append(attended[0].new_zeros(rows - used, attended[0].shape[1]))
+        delta = quant.linear(torch.cat(attended) if len(attended) > 1 else attended[0], layer.wo)
+        x, h = ops.add_rms_norm(x, delta, layer.ffn_norm, eps, quant.input_dtype(layer.w13))
+        delta = quant.linear(ops.silu_mul(quant.linear(h, layer.w13)), layer.w2)
+    _, h = ops.add_rms_norm(x, delta, runner.final_norm, eps, quant.input_dtype(runner.head))
+    return quant.linear(h, runner.head).float()
 
 
 @dataclass

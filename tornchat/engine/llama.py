@@ -411,9 +411,10 @@ class LlamaRunner:
         held = _whole_blocks(cache.length)
         kv[:, :, :held] = cache.kv[:, :, :held]
         if self.graphs is not None:
-            # Zeros, not stale memory, past the length: the CUDA step attends over the whole capacity with the later
-            # positions masked, and a masked NaN still poisons the weighted sum (0 * NaN). Elsewhere attention reads
-            # no position past a row's own, and pages nothing writes stay out of the process's memory.
+            # Zeros, not stale memory, past the length: the CUDA step's PyTorch reference (step_ops.attend_ref)
+            # attends over the whole capacity with the later positions masked, and a masked NaN still poisons the
+            # weighted sum (0 * NaN). Its kernel, and attention elsewhere, read no position past a row's own, and
+            # pages nothing writes stay out of the process's memory.
             kv[:, :, held:] = 0
         cache.kv = kv
 
