@@ -74,8 +74,8 @@ def make_app(config: Config, engine) -> Application:
         server_stats=server_stats,
         metrics=Metrics(engine, server_stats),
         grammars=Compiler(engine.tokenizer),  # structured outputs: built once, at start-up
-        in_flight=set(),
-        responses_store=responses.Store(config.responses_store),  # for previous_response_id  # handlers with a generation submitted, for shutdown
+        in_flight=set(),  # handlers with a generation submitted, for shutdown
+        responses_store=responses.Store(config.responses_store),  # for previous_response_id
     )
 
 
