@@ -142,6 +142,40 @@ def test_running_slots_are_never_taken_over_nor_dropped(tiny_model):
     assert again is second and reused == 3  # an idle slot is taken over as before
 
 
+def test_a_next_turn_that_renders_the_last_reply_otherwise_cuts_it_in_place(tiny_model):
+    """A prompt holding the slot's whole last prompt, then other text than its reply (a template that drops an
+    earlier reply's thinking): the slot itself is cut back and extended, not copied. The same prompt again (a
+    second reply to it) still copies, keeping the first reply's branch."""
+    pool = SlotPool(HFRunner(tiny_model), 4, 1 << 30)
+    slot, reused, _ = pool.acquire([1, 2, 3])
+    pool.runner.forward([1, 2, 3, 7, 8], slot.cache)
+    slot.tokens.extend([1, 2, 3, 7, 8])  # the prompt prefilled, then its reply generated
+    pool.release(slot)
+    again, reused, _ = pool.acquire([1, 2, 3, 8, 4, 5])
+    assert again is slot and reused == 3 and slot.tokens == [1, 2, 3] and slot.cache.get_seq_length() == 3
+    assert pool.slots == [slot]
+    slot.tokens.extend([8, 4, 5, 9])
+    pool.release(slot)
+    branch, reused, _ = pool.acquire([1, 2, 3, 8, 4, 5])
+    assert branch is not slot and reused == 5 and slot.tokens == [1, 2, 3, 8, 4, 5, 9] and len(pool.slots) == 2
+
+
+def test_a_re_rendered_reply_keeps_one_slot_and_the_cold_text(tiny_model, tokenizer):
+    """Through the engine: the second turn sends the first reply back changed at its start (as Qwen3's template
+    strips a reply's leading newlines), and the conversation stays in one slot, with the reply a cold run gives."""
+    warm, cold = make_engine(tiny_model, tokenizer), make_engine(tiny_model, tokenizer)
+    try:
+        turn1 = chat_ids(tokenizer, conversation([("Tell me something.", None)]))
+        answer, _ = run(warm, turn1, max_tokens=12)
+        turn2 = chat_ids(tokenizer, conversation([("Tell me something.", "Re-rendered: " + answer), ("More?", None)]))
+        got, _ = run(warm, turn2, max_tokens=8)
+        assert len(warm.slots.slots) == 1 and warm.stats.last_reused_tokens >= len(turn1) - 1
+        assert got == run(cold, turn2, max_tokens=8)[0]
+    finally:
+        warm.close()
+        cold.close()
+
+
 def test_slots_are_bounded_by_memory(tiny_model, tokenizer):
     ids = chat_ids(tokenizer, [{"role": "user", "content": "9 memory " * 40}])
     probe = make_engine(tiny_model, tokenizer)

@@ -19,6 +19,7 @@ _clock = itertools.count()
 class Slot:
     cache: Any
     tokens: list[int] = field(default_factory=list)  # exactly what cache holds
+    prompt_length: int = 0  # the last generation's prompt: tokens past it are its reply
     last_used: int = 0
     busy: bool = False  # a running generation's: neither taken over nor dropped until released
 
@@ -101,12 +102,20 @@ class SlotPool:
         shared = min(shared, len(prompt) - 1)
         if best is None:
             best = self._fresh_slot(self.runner.new_cache(), [])
+        elif shared < len(best.tokens) and not best.busy and shared >= best.prompt_length > 0:
+            # The slot's whole last prompt, then text other than the reply generated after it: the next turn,
+            # its history rendered again by the template (an earlier reply's thinking dropped, a reply cut at
+            # max_tokens closed). The client has moved past that reply, so it is cut here; a copy of the
+            # prefix kept the conversation twice over at every such turn.
+            del best.tokens[shared:]
+            self.runner.truncate(best.cache, shared)
         elif shared < len(best.tokens) or best.busy:
             # The slot's tail may be another conversation, or a branch the
-            # client may come back to, or a generation running beside this
-            # one: copy the shared prefix instead of cutting it. Least
-            # recently used slots make room.
+            # client may come back to (the same prompt again: another reply),
+            # or a generation running beside this one: copy the shared prefix
+            # instead of cutting it. Least recently used slots make room.
             best = self._fresh_slot(self.runner.fork(best.cache, shared), best.tokens[:shared])
+        best.prompt_length = len(prompt)
         best.last_used = next(_clock)
         best.busy = True
         return best, shared, prompt
