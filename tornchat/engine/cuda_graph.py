@@ -5,7 +5,7 @@ bandwidth; but an eager step launches tens of kernels per layer, each
 costing the CPU a few microseconds, and for all but the largest models the
 GPU waits on those launches. A captured step replays them with one launch,
 and its small operations are Triton kernels of our own (``step_ops``), so
-that a layer is ten kernels rather than ~35 back to back.
+that a layer is ten kernels rather than ~38 back to back.
 
 A generation's rows run one per step, also a verify's (its drafts' rows in
 turn), so its reply is the same bits with speculation or without. Rows of

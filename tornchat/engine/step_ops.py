@@ -4,7 +4,7 @@ do each in one launch.
 A captured step of a small model is bound by its kernels' count, not by its
 bytes: PyTorch runs each of these as several tiny kernels (an RMS norm as a
 cast, a square, a mean, an rsqrt and two products; RoPE as casts and complex
-products; SDPA with its mask), about 35 a layer, and each costs the GPU
+products; SDPA with its mask), about 38 a layer, and each costs the GPU
 1.5-2 us whatever its size. The kernels (``tornchat/kernels/decode_step_triton.py``)
 do each in one, leaving ten a layer with the four matrix products.
 
