@@ -84,6 +84,25 @@ def test_ids_and_decoding_are_transformers(pair, special):
         assert ours.convert_tokens_to_ids(marker) == theirs.convert_tokens_to_ids(marker)
 
 
+def test_user_defined_tokens_match_whole_as_transformers_adds_them(tmp_path):
+    """Tokens a file types user-defined (Qwen3's <think> and </think>) are plain added tokens, matched whole in the
+    text; one outside the byte alphabet (a space in it) is not added, as transformers' conversion skips it."""
+    import numpy as np
+
+    source = gguf_file.GGUFFile(checkpoint.default_gguf_path())
+    tokens = list(source.array("tokenizer.ggml.tokens")) + ["<think>", "</think>", " spaced"]
+    types = np.concatenate([source.array("tokenizer.ggml.token_type"), [gguf_tokenizer.USER_DEFINED] * 3]).astype(np.int32)
+    path = gguf_files.write_tokenizer(tmp_path / "user.gguf", tokens=tokens, token_type=types)
+    ours = gguf_tokenizer.build(gguf_file.GGUFFile(path))
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file="user.gguf")
+    think = len(tokens) - 3
+    assert ours.encode("<think>", add_special_tokens=False) == [think]
+    for text in ("<think>reasoning</think> the answer", "a spaced word"):
+        assert ours.encode(text) == theirs.encode(text)
+    assert json.loads(ours.backend_tokenizer.to_str())["added_tokens"] == \
+        json.loads(theirs.backend_tokenizer.to_str())["added_tokens"]
+
+
 def test_the_split_patterns_are_transformers():
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 

@@ -67,10 +67,10 @@ def _byte_level(tokens: list[str], merges: list[str], split: str | None) -> Toke
     """Byte-level BPE as transformers' GPT2Tokenizer builds it, tokens respelled into its byte alphabet where
     the file writes them otherwise."""
     spelling = bytes_to_unicode()
-    alphabet = set(spelling.values())
+    outside = str.maketrans("", "", "".join(spelling.values()))  # what is left of a token is outside the alphabet
     vocab = {}
-    for index, token in enumerate(tokens):
-        vocab[token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8"))] = index
+    for index, token in enumerate(tokens):  # translate in C: a set per token took 0.3 s for 262,144 tokens
+        vocab[token if not token.translate(outside) else "".join(spelling[b] for b in token.encode("utf-8"))] = index
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(merge.split(" ")) for merge in merges], dropout=None,
                                    continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     if split is None:
@@ -113,9 +113,10 @@ def _add_file_tokens(backend: Tokenizer, tokens: list[str], types, controllable)
                for i in (types == CONTROL).nonzero()[0] if controllable(tokens[i])]
     if control:
         backend.add_special_tokens(control)
-    vocab = backend.get_vocab(with_added_tokens=True)
+    # token_to_id looks in the model's vocabulary and the added tokens, as get_vocab(with_added_tokens=True)
+    # would, without building that dict of the whole vocabulary
     user = [AddedToken(tokens[i], normalized=False, special=False)
-            for i in (types == USER_DEFINED).nonzero()[0] if tokens[i] in vocab]
+            for i in (types == USER_DEFINED).nonzero()[0] if backend.token_to_id(tokens[i]) is not None]
     if user:
         backend.add_tokens(user)
 
