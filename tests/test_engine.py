@@ -8,8 +8,10 @@ from tornchat import prompt
 from tornchat.engine import GenerationRequest, PromptTooLong, QueueFull, SamplingParams
 from tornchat.engine.model import HFRunner
 from tornchat.engine.slots import SlotPool
+from tornchat.engine.worker import Engine
 
 from conftest import make_engine
+from runners import lean
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -162,8 +164,14 @@ def test_a_next_turn_that_renders_the_last_reply_otherwise_cuts_it_in_place(tiny
 
 def test_a_re_rendered_reply_keeps_one_slot_and_the_cold_text(tiny_model, tokenizer):
     """Through the engine: the second turn sends the first reply back changed at its start (as Qwen3's template
-    strips a reply's leading newlines), and the conversation stays in one slot, with the reply a cold run gives."""
-    warm, cold = make_engine(tiny_model, tokenizer), make_engine(tiny_model, tokenizer)
+    strips a reply's leading newlines), and the conversation stays in one slot, with the reply a cold run gives.
+    The lean runner's C++ forward computes each row by itself, so warm and cold are equal by construction."""
+    def lean_engine():
+        runner = lean(tiny_model)
+        return Engine(runner, tokenizer, prompt.stop_token_ids(tokenizer, None), SlotPool(runner, 4, 1 << 30))
+
+    warm, cold = lean_engine(), lean_engine()
+    assert warm.runner.step is not None  # the C++ forward, not the Python loop
     try:
         turn1 = chat_ids(tokenizer, conversation([("Tell me something.", None)]))
         answer, _ = run(warm, turn1, max_tokens=12)
