@@ -1,7 +1,8 @@
 """Sampling time per call: Triton kernel vs the sort-based PyTorch reference vs torch.multinomial.
 
 Columns (milliseconds per call of one [B, V] batch, temperature 0.8,
-top_k 50, top_p 0.9):
+top_k 50, top_p 0.9 unless ``--top-k``/``--top-p`` say otherwise; ``--top-k 0``
+is what an OpenAI client sends, top-p alone):
 
 - triton: ``tornchat.kernels.sampling_triton.sample`` (CUDA only), the
   engine's path: its launches replayed from a CUDA graph;
@@ -18,7 +19,7 @@ the triton column is null (the interpreter's speed says nothing about a GPU)
 and the CPU paths are timed with a wall clock. Writes JSON and a PNG to
 bench/results/.
 
-    python -m bench.kernels [--quick]
+    python -m bench.kernels [--quick] [--top-k K] [--top-p P] [--batches B ...]
 """
 import argparse
 import json
@@ -43,7 +44,8 @@ def multinomial(logits, temperature, top_k, top_p, seed, step):
 def torch_sort(logits, temperature, top_k, top_p, seed, step):
     z = logits.float() / temperature[:, None]
     sorted_z, order = torch.sort(z, dim=-1, descending=True)
-    kth = sorted_z.gather(1, (top_k.clamp(1, z.shape[-1]) - 1)[:, None])
+    k = torch.where(top_k > 0, top_k, z.shape[-1]).clamp(1, z.shape[-1])  # top_k <= 0: no top-k
+    kth = sorted_z.gather(1, (k - 1)[:, None])
     sorted_z = sorted_z.masked_fill(sorted_z < kth, float("-inf"))
     probs = sorted_z.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
@@ -65,11 +67,15 @@ def wall_ms(fn, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="B in {1, 8}, V in {32k, 49k}, fewer repeats")
+    parser.add_argument("--top-k", type=int, default=50, help="0: no top-k (an OpenAI client's request)")
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--batches", type=int, nargs="+", help=f"instead of {BATCHES}")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     print(f"device: {torch.cuda.get_device_name() if cuda else describe()}", flush=True)
     device = "cuda" if cuda else "cpu"
     batches, vocabs = (BATCHES[:2], VOCABS[:2]) if args.quick else (BATCHES, VOCABS)
+    batches = args.batches or batches
     methods = {"reference": sample_reference, "torch-sort": torch_sort, "multinomial": multinomial}
     if cuda:
         from triton.testing import do_bench
@@ -83,8 +89,8 @@ def main() -> None:
             logits = torch.randn(batch, vocab, device=device) * 3
             args_ = (
                 torch.full((batch,), 0.8, device=device),
-                torch.full((batch,), 50, device=device, dtype=torch.int64),
-                torch.full((batch,), 0.9, device=device),
+                torch.full((batch,), args.top_k, device=device, dtype=torch.int64),
+                torch.full((batch,), args.top_p, device=device),
                 torch.arange(batch, device=device),
                 0,
             )
@@ -98,9 +104,11 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if cuda else describe(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "temperature": 0.8, "top_k": args.top_k, "top_p": args.top_p,
         "note": None if cuda else "no GPU: the triton column needs CUDA",
     }
-    stem = RESULTS / f"kernels-{'cuda' if cuda else 'cpu'}{'-quick' if args.quick else ''}"
+    settings = "" if (args.top_k, args.top_p) == (50, 0.9) else f"-k{args.top_k}-p{args.top_p}"
+    stem = RESULTS / f"kernels-{'cuda' if cuda else 'cpu'}{settings}{'-quick' if args.quick else ''}"
     write_results(stem.with_suffix(".json"), {"meta": meta, "rows": rows})
     plot(rows, meta, stem.with_suffix(".png"))
     print(f"wrote {stem}.json and .png")

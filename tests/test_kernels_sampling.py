@@ -202,18 +202,49 @@ def test_reference_truncation_keeps_ties_and_at_least_one_token():
     assert truncation_mask(z, 0, float(probs[0]) + 1e-3).sum() == 4
 
 
+def full_sort_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    ordered = torch.sort(probs, descending=True).values
+    cumulative = torch.cumsum(ordered, -1)
+    return ordered[int(torch.searchsorted(cumulative, torch.tensor([top_p])).clamp(max=len(ordered) - 1))]
+
+
 def test_nucleus_floor_is_the_full_sorts_whatever_the_nucleus_size():
-    """The floor is looked for among the largest 64, then 2,048 tokens, before a sort of the whole row:
-    each path must give what the whole sort gives."""
+    """The floor is looked for among the tokens above a probability a histogram finds, before a sort of the
+    whole row: it must be what the whole sort gives, from a nucleus of one token to most of the row."""
     logits = torch.randn(49_152, generator=torch.Generator().manual_seed(5)) * 4
     sizes = []
-    for temperature, top_p in [(0.5, 0.9), (0.7, 0.8), (1.0, 0.9), (1.5, 0.9), (3.0, 0.95), (1.0, 0.0)]:
+    for temperature, top_p in [(0.5, 0.9), (0.7, 0.8), (1.0, 0.9), (1.5, 0.9), (3.0, 0.95), (1.0, 0.0), (9.0, 0.9)]:
         probs = torch.softmax(logits / temperature, dim=-1)
-        ordered = torch.sort(probs, descending=True).values
-        last = int(torch.searchsorted(torch.cumsum(ordered, -1), torch.tensor([top_p])).clamp(max=len(ordered) - 1))
-        sizes.append(last + 1)
-        assert nucleus_floor(probs, top_p) == ordered[last]
-    assert min(sizes) < 64 and any(64 < size < 2048 for size in sizes) and max(sizes) > 2048
+        floor = full_sort_floor(probs, top_p)
+        sizes.append(int((probs >= floor).sum()))
+        assert nucleus_floor(probs, top_p) == floor
+    assert min(sizes) == 1 and any(64 < size < 2048 for size in sizes) and max(sizes) > 20_000
+
+
+def test_nucleus_floor_where_round_off_leaves_the_sorted_sums_short():
+    """A top_p at the very end of the sorted running sums, which round-off leaves a little off 1: the
+    candidates a count by code picks (counting on a total of 1) may not reach it. The floor is still the
+    whole sort's (its last token, where nothing reaches top_p)."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        probs = torch.softmax(torch.randn(1000, generator=generator) * 3, dim=-1)
+        total = torch.cumsum(torch.sort(probs, descending=True).values, -1)[-1]
+        for top_p in (total, torch.nextafter(total, torch.tensor(2.0))):
+            top_p = min(float(top_p), float(torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))))
+            assert nucleus_floor(probs, top_p) == full_sort_floor(probs, top_p)
+
+
+def test_nucleus_floor_of_a_lone_probability_just_under_a_code_boundary():
+    """Counted at its code's ceiling, 1.0, a probability of 1 - 2**-24 leaves every higher code a bound
+    of 0 that top_p 0 reaches: the search must stay among codes that hold tokens."""
+    probs = torch.tensor([1.0 - 2**-24])
+    assert nucleus_floor(probs, 0.0) == probs[0]
+
+
+def test_truncation_keeps_nothing_of_a_row_without_a_finite_logit():
+    z = torch.full((1000,), float("-inf"))
+    for top_k, top_p in [(0, 0.9), (3, 0.9), (0, 0.0)]:
+        assert not truncation_mask(z, top_k, top_p).any()
 
 
 def test_reference_never_returns_an_out_of_range_id():
