@@ -151,6 +151,82 @@ def test_a_row_gets_the_same_bits_whatever_path_it_takes(model_name, quantize, i
         assert kv is None or torch.equal(kv, first_kv)
 
 
+def test_windowed_layers_hold_only_what_their_window_sees(tiny_gemma3):
+    """Gemma 3's windowed layers keep their own caches, which drop the key blocks no later row sees as the text
+    grows, but for what a row at the held position (a prompt's last) sees: the logits are still the bits of the
+    whole text scored at once (whose one forward holds everything), and the cache cut back or forked at the held
+    position goes on as that score says."""
+    runner = lean(tiny_gemma3, "int4")
+    text = [(37 * i) % 997 + 2 for i in range(590)]
+    expected = runner.score(text)
+    cache = runner.new_cache()
+    got = []
+    for prompt_end, reply_end in [(60, 300), (360, 590)]:  # two turns, each a prompt and a reply
+        runner.hold(cache, prompt_end - 1)  # a request sent again goes on from there
+        got.append(runner.forward(text[cache.length : prompt_end], cache)[None])
+        got += [runner.forward([t], cache, decode=True)[None] for t in text[prompt_end:reply_end]]
+        assert cache.window_start <= prompt_end - runner.window  # what the held position sees stays
+    assert torch.equal(torch.cat(got), expected[[59, *range(60, 300), 359, *range(360, 590)]])
+    assert cache.window_start >= 256 and cache.windowed.shape[2] < len(text) - 256  # the first turn's are gone
+    assert cache.kv.shape[2] >= len(text)  # the global layer keeps every position
+    whole = runner.new_cache()
+    runner.forward(text, whole)
+    assert torch.equal(runner.positions(cache), runner.positions(whole))  # all the next row sees
+    forked = runner.fork(cache, 360)
+    assert torch.equal(runner.forward(text[360:370], forked), expected[369])
+    runner.truncate(cache, 360)
+    assert torch.equal(runner.verify(text[360:370], cache), expected[360:370])
+
+
+def test_a_windowed_cache_is_not_cut_back_past_what_it_holds(tiny_gemma3):
+    runner = lean(tiny_gemma3, "int4")
+    text = [(41 * i) % 991 + 3 for i in range(500)]
+    cache = runner.new_cache()
+    runner.hold(cache, 499)
+    runner.reserve(cache, 501)  # the decode loop's room for a whole prompt, before its chunks
+    for start in range(0, 500, 50):
+        runner.forward(text[start : start + 50], cache)
+        assert cache.windowed.shape[2] <= llama.CACHE_CHUNK  # a chunk and the window before it: not the prompt
+    first = runner.resumable_from(cache)
+    assert first == cache.window_start + runner.window - 1 and 0 < first < 499
+    with pytest.raises(ValueError, match="cut back"):
+        runner.truncate(cache, first - 1)
+    with pytest.raises(ValueError, match="cut back"):
+        runner.fork(cache, first - 1)
+    expected = runner.score(text[:first] + [5])[-1]
+    assert torch.equal(runner.forward([5], runner.fork(cache, first)), expected)
+    cache.window_start = 496  # past what the next row sees (from 493): the C++ forward refuses to read other positions
+    with pytest.raises(RuntimeError, match="does not hold"):
+        runner.forward([5], cache)
+
+
+def test_slots_go_on_from_a_windowed_cache_only_where_it_holds_what_the_next_row_sees(tiny_gemma3):
+    """A conversation whose reply runs far past the window: the same prompt again, and the next turn, reuse
+    its slot; a prompt that leaves it before what the windowed layers still hold gets a cache of its own, with
+    the logits of the text scored at once."""
+    runner = lean(tiny_gemma3, "int4")
+    pool = SlotPool(runner, 4, 1 << 30)
+    history = [(43 * i) % 983 + 4 for i in range(300)]
+    slot, reused, _ = pool.acquire(history[:40])
+    runner.forward(history[:40], slot.cache)
+    for token in history[40:]:  # the reply
+        runner.forward([token], slot.cache)
+    slot.tokens = list(history)
+    pool.release(slot)
+    assert 20 < runner.resumable_from(slot.cache) <= 39
+    again, reused, _ = pool.acquire(history[:40])  # the same request again goes on from its prompt
+    assert reused == 39
+    assert torch.equal(runner.forward(history[39:40], again.cache), runner.score(history[:40])[-1])
+    pool.release(again)
+    edited = history[:20] + [999] + history[21:40]  # shares 20 tokens, which no slot can go on from
+    fresh, reused, _ = pool.acquire(edited)
+    assert reused == 0 and fresh not in (slot, again)
+    assert torch.equal(runner.forward(edited, fresh.cache), runner.score(edited)[-1])
+    pool.release(fresh)
+    _, reused, _ = pool.acquire(history + [5, 6, 7])  # the next turn
+    assert reused == len(history)
+
+
 @pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen3_moe", "tiny_gemma3"])
 def test_every_vector_path_gives_the_same_logits(model_name, request):
     """One answer on every CPU: the block kernels sum integers, and attention's AVX2 loops make the fused

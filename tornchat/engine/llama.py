@@ -116,8 +116,15 @@ class LlamaWeights:
 
 @dataclass(eq=False)  # identity: comparing caches would compare tensors
 class KVCache:
-    kv: torch.Tensor  # [layers, 2, capacity, kv_heads, head_dim]
+    kv: torch.Tensor  # [layers, 2, capacity, kv_heads, head_dim]; the unwindowed layers' where ``windowed`` is set
     length: int = 0
+    # The C++ forward's windowed layers (Gemma 3) keep their caches apart, [windowed layers, 2, capacity, kv_heads,
+    # head_dim], holding positions window_start .. (a multiple of fused.KEY_BLOCK): a row sees only the last
+    # ``window`` positions, so the earlier ones are dropped as the cache grows, but for those a row at ``hold``
+    # (the current prompt's last position, LlamaRunner.hold) would see.
+    windowed: torch.Tensor | None = None
+    window_start: int = 0
+    hold: int = 0
 
 
 def unsupported_reason(config) -> str | None:
@@ -356,6 +363,9 @@ class LlamaRunner:
             self.isa = isa or blocks.isa()
             self.step = fused.native_forward(self.layers, self.heads, self.kv_heads, self.eps, self.scale, self.isa,
                                              config.windows, config.gelu)
+        self.window = max(self.windows)
+        self.windowed_layers = [i for i, w in enumerate(self.windows) if w]
+        self.other_layers = [i for i, w in enumerate(self.windows) if not w]
 
     def _rope_table(self, inv_freq: torch.Tensor, magnitude: float) -> torch.Tensor:
         positions = torch.arange(self.context_length, dtype=torch.float32, device=self.device)
@@ -373,36 +383,77 @@ class LlamaRunner:
         return f"{weights_label(self.weights)}; {self.kv_dtype} cache; {forward}{isa}"
 
     def new_cache(self) -> KVCache:
-        shape = (len(self.layers), 2, 0, self.kv_heads, self.head_dim)
-        return KVCache(torch.empty(shape, dtype=self.kv_dtype, device=self.device))
+        if self.step is None or not self.windowed_layers:
+            return KVCache(self._kv(len(self.layers)))
+        # The C++ forward keeps the windowed layers' caches apart, holding only what their window sees.
+        return KVCache(self._kv(len(self.other_layers)), windowed=self._kv(len(self.windowed_layers)))
+
+    def _kv(self, layers: int) -> torch.Tensor:
+        return torch.empty((layers, 2, 0, self.kv_heads, self.head_dim), dtype=self.kv_dtype, device=self.device)
+
+    def hold(self, cache: KVCache, length: int) -> None:
+        """Keep cache resumable at ``length`` and after as it grows (``resumable_from``)."""
+        cache.hold = length
+
+    def resumable_from(self, cache: KVCache) -> int:
+        """The shortest length cache can be cut back to and go on from: 0, or where its windowed layers have
+        dropped positions, the first row that sees none of them."""
+        return cache.window_start + self.window - 1 if cache.window_start else 0
+
+    def _check_resumable(self, cache: KVCache, length: int) -> None:
+        if length < min(cache.length, self.resumable_from(cache)):
+            raise ValueError(f"the cache cannot be cut back to {length} positions: its windowed layers hold positions "
+                             f"{cache.window_start} .. only")
 
     def truncate(self, cache: KVCache, length: int) -> None:
+        self._check_resumable(cache, length)
         cache.length = min(cache.length, length)
 
     def fork(self, cache: KVCache, length: int) -> KVCache:
-        """A new cache holding a copy of the first ``length`` positions of cache."""
+        """A new cache holding a copy of the first ``length`` positions of cache (of a windowed layer's, those the
+        next row sees)."""
+        self._check_resumable(cache, length)
         forked = self.new_cache()
+        if forked.windowed is not None:
+            forked.window_start = max(cache.window_start, _blocks_before(length + 1 - self.window))
+            forked.hold = length
         self.reserve(forked, length)
+        self._reserve_windowed(forked, length)
         forked.length = min(length, cache.length)
         held = _whole_blocks(forked.length)
         forked.kv[:, :, :held] = cache.kv[:, :, :held]
+        if forked.windowed is not None and held > forked.window_start:
+            offset, count = forked.window_start - cache.window_start, held - forked.window_start
+            forked.windowed[:, :, :count] = cache.windowed[:, :, offset : offset + count]
         return forked
 
     def positions(self, cache: KVCache) -> torch.Tensor:
         """The cache's positions 0 .. length - 1 as [layers, 2, length, kv_heads, head_dim], position-major
-        (the C++ forward keeps its own layout, ``fused.forward_layout``)."""
-        kv = fused.standard_layout(cache.kv) if self.step is not None else cache.kv
-        return kv[:, :, : cache.length]
+        (the C++ forward keeps its own layout, ``fused.forward_layout``). A windowed layer's are zeros but for the
+        last ``window - 1``, which the next row sees: whatever else a cache holds depends on how it was filled."""
+        def standard(kv: torch.Tensor) -> torch.Tensor:
+            return fused.standard_layout(kv) if self.step is not None else kv.clone()
+        kv = standard(cache.kv)[:, :, : cache.length]
+        if cache.windowed is not None:
+            every = kv.new_zeros((len(self.layers), *kv.shape[1:]))
+            every[self.other_layers] = kv
+            every[self.windowed_layers, :, cache.window_start :] = \
+                standard(cache.windowed)[:, :, : max(0, cache.length - cache.window_start)]
+            kv = every
+        for i, window in enumerate(self.windows):
+            if window:
+                kv[i, :, : max(0, cache.length + 1 - window)] = 0
+        return kv
 
     def cache_bytes(self, cache: KVCache) -> int:
-        return cache.kv.numel() * cache.kv.element_size()
+        return sum(kv.numel() * kv.element_size() for kv in (cache.kv, cache.windowed) if kv is not None)
 
     def reserve(self, cache: KVCache, length: int) -> None:
+        if length > self.context_length:
+            raise ValueError(f"{length} positions exceed the context of {self.context_length}")
         capacity = cache.kv.shape[2]
         if length <= capacity:
             return
-        if length > self.context_length:
-            raise ValueError(f"{length} positions exceed the context of {self.context_length}")
         grown = -(-length // CACHE_CHUNK) * CACHE_CHUNK
         if self.graphs is not None:  # each new cache tensor is a new graph capture: few of them
             grown = max(grown, 2 * capacity)
@@ -417,6 +468,19 @@ class LlamaRunner:
             # pages nothing writes stay out of the process's memory.
             kv[:, :, held:] = 0
         cache.kv = kv
+
+    def _reserve_windowed(self, cache: KVCache, length: int) -> None:
+        """Room in the windowed layers' caches for positions up to ``length``, dropping the whole key blocks
+        before what a row at the cache's length, or at its ``hold``, sees. Called for each forward's rows, not
+        for a whole prompt at once (``reserve``): a long prompt's chunks slide along it."""
+        if cache.windowed is None or length - cache.window_start <= cache.windowed.shape[2]:
+            return
+        start = max(cache.window_start, _blocks_before(min(cache.length, cache.hold) + 1 - self.window))
+        grown = min(-(-(length - start) // CACHE_CHUNK) * CACHE_CHUNK, _whole_blocks(self.context_length) - start)
+        windowed = cache.windowed.new_empty((*cache.windowed.shape[:2], grown, *cache.windowed.shape[3:]))
+        offset, count = start - cache.window_start, max(0, _whole_blocks(cache.length) - start)
+        windowed[:, :, :count] = cache.windowed[:, :, offset : offset + count]
+        cache.windowed, cache.window_start = windowed, start
 
     @torch.inference_mode()
     def forward(self, token_ids: list[int], cache: KVCache, decode: bool = False) -> torch.Tensor:
@@ -441,9 +505,9 @@ class LlamaRunner:
         computes them (``kernels``), or with every matrix dequantized to fp32 and multiplied by PyTorch
         (``exact``: the reference the kernels' activation rounding is measured against, one layer dequantized
         at a time)."""
-        cache = self.new_cache()
         if mode == "kernels":
-            return self._logits(self._hidden(token_ids, cache))
+            return self._logits(self._hidden(token_ids, self.new_cache()))
+        cache = KVCache(self._kv(len(self.layers)))  # every layer's: the Python loop's
         n = len(token_ids)
         self.reserve(cache, n)
         x = self._embed(torch.tensor(token_ids, device=self.device))
@@ -505,11 +569,14 @@ class LlamaRunner:
         starts, counts = [cache.length for _, cache in batch], [len(ids) for ids, _ in batch]
         for (_, cache), start, n in zip(batch, starts, counts):
             self.reserve(cache, start + n)
+            self._reserve_windowed(cache, start + n)
         ids = torch.tensor([t for token_ids, _ in batch for t in token_ids], device=self.device)
         x = self._embed(ids)
         freqs, local = ([None if table is None else torch.cat([table[start : start + n] for start, n in zip(starts, counts)])
                          for table in (self.rope, self.local_rope)])
-        x = self.step.forward(x, [cache.kv for _, cache in batch], freqs, starts, counts, local)  # _layers in one C++ call
+        apart = [cache for _, cache in batch if cache.windowed is not None]  # all of them or none
+        x = self.step.forward(x, [cache.kv for _, cache in batch], freqs, starts, counts, local,  # _layers in one C++ call
+                              [cache.windowed for cache in apart], [cache.window_start for cache in apart])
         for (_, cache), n in zip(batch, counts):
             cache.length += n
         return x
@@ -567,6 +634,11 @@ def mixture(h: torch.Tensor, experts: Experts, gate) -> torch.Tensor:
         y = quant.linear(gate(quant.linear(h[rows], experts.w13[e])), experts.w2[e])
         outputs[rows, ranks] = y.float()
     return (outputs * weights[..., None]).sum(dim=1)
+
+
+def _blocks_before(position: int) -> int:
+    """The first position of the key block that holds position (0 for any before 0)."""
+    return max(0, position) // fused.KEY_BLOCK * fused.KEY_BLOCK
 
 
 def _whole_blocks(length: int) -> int:

@@ -45,7 +45,15 @@ class Runner(Protocol):
         grown, and copied, chunk by chunk."""
 
     def truncate(self, cache: Any, length: int) -> None:
-        """Keep only the first ``length`` positions of cache."""
+        """Keep only the first ``length`` positions of cache (at least ``resumable_from(cache)``)."""
+
+    def hold(self, cache: Any, length: int) -> None:
+        """Keep cache resumable at ``length`` and after, however it grows: a runner that drops positions no later
+        row sees (Gemma 3's windowed layers) keeps what a row at ``length`` would see."""
+
+    def resumable_from(self, cache: Any) -> int:
+        """The shortest length cache can be cut back (``truncate``, ``fork``) and go on from; 0 where it keeps
+        every position."""
 
     def fork(self, cache: Any, length: int) -> Any:
         """A new cache holding a copy of the first ``length`` positions of cache."""
@@ -92,6 +100,12 @@ class HFRunner:
         surplus = cache.get_seq_length() - length
         if surplus > 0:
             cache.crop(-surplus)  # transformers 5: a negative count of tokens to drop
+
+    def hold(self, cache, length: int) -> None:
+        pass  # every position is kept
+
+    def resumable_from(self, cache) -> int:
+        return 0
 
     def fork(self, cache, length: int):
         copy = deepcopy(cache)

@@ -96,6 +96,8 @@ class SlotPool:
         for slot in self.slots:
             candidate = realign(prompt, slot.tokens, self.spelling) if self.spelling else prompt
             n = common_prefix(slot.tokens, candidate)
+            if min(n, len(candidate) - 1) < self.runner.resumable_from(slot.cache):
+                continue  # its windowed layers no longer hold what the first new row would see
             if n > shared or (n == shared and best is not None and slot.last_used > best.last_used):
                 best, shared, chosen = slot, n, candidate
         prompt = chosen
@@ -116,6 +118,7 @@ class SlotPool:
             # instead of cutting it. Least recently used slots make room.
             best = self._fresh_slot(self.runner.fork(best.cache, shared), best.tokens[:shared])
         best.prompt_length = len(prompt)
+        self.runner.hold(best.cache, len(prompt) - 1)  # the same prompt again, or the next turn, can go on from it
         best.last_used = next(_clock)
         best.busy = True
         return best, shared, prompt

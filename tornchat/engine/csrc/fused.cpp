@@ -557,9 +557,10 @@ struct Layer {
   Linear wqkv, wo, w13, w2;  // w13, w2 without parts where the MLP is a mixture of experts
   Experts moe;               // no experts where the MLP is dense
   // Gemma 3 (Forward::gemma): norms of the attention's and the MLP's outputs (or empty), and the attention window
-  // (0: none), whose layers take the second RoPE table
+  // (0: none), whose layers take the second RoPE table; where the windowed layers' caches are apart from the
+  // others' (Forward::forward's window_kvs), the layer's index among the layers of its kind
   at::Tensor post_attn_norm, post_ffn_norm;
-  int64_t window = 0;
+  int64_t window = 0, apart = 0;
 };
 
 // Up to this many (row, expert) slots, a mixture's threads split the experts rather than each expert's products:
@@ -661,9 +662,12 @@ class Forward {
   void gemma(const std::vector<at::Tensor>& norms, const std::vector<int64_t>& windows, bool gelu) {
     TORCH_CHECK(norms.size() == 2 * layers_.size() && windows.size() == layers_.size(),
                 "2 norms and a window per layer");
+    windowed_ = 0;
     for (size_t i = 0; i < layers_.size(); ++i) {
       layers_[i].post_attn_norm = norms[2 * i], layers_[i].post_ffn_norm = norms[2 * i + 1];
       layers_[i].window = windows[i];
+      layers_[i].apart = windows[i] ? windowed_++ : static_cast<int64_t>(i) - windowed_;
+      window_ = std::max(window_, windows[i]);
     }
     gelu_ = gelu;
   }
@@ -691,17 +695,32 @@ class Forward {
   // starts[s] .. of its cache kvs[s] [layers, 2, capacity, kv_heads, head_dim]; freqs [rows, head_dim / 2, 2]
   // of each row's position, local_freqs (or none) the same from the windowed layers' table. Writes the tokens'
   // keys and values into their caches; returns x after the layers.
+  // window_kvs (or none): the windowed layers' caches apart, [windowed layers, 2, capacity, kv_heads, head_dim]
+  // holding positions window_starts[s] .. (a multiple of 16, so that a position keeps its lane in a key block,
+  // and the sums their order: the same bits as from position 0), kvs[s] then the other layers'. A row reads
+  // only the positions its window sees, so the earlier ones need not be held.
   // Rows meet only in the matrix products, which compute each row by itself: a sequence gets the same bits
   // batched with others as alone.
   at::Tensor forward(at::Tensor x, const std::vector<at::Tensor>& kvs, const at::Tensor& freqs,
                      const std::vector<int64_t>& starts, const std::vector<int64_t>& counts,
-                     const std::optional<at::Tensor>& local_freqs) const {
+                     const std::optional<at::Tensor>& local_freqs, const std::vector<at::Tensor>& window_kvs,
+                     const std::vector<int64_t>& window_starts) const {
     const size_t seqs = kvs.size();
+    const bool apart = !window_kvs.empty();
     TORCH_CHECK(seqs > 0 && starts.size() == seqs && counts.size() == seqs, "one cache, start and count per sequence");
+    TORCH_CHECK(!apart || (window_kvs.size() == seqs && window_starts.size() == seqs && windowed_ > 0),
+                "a windowed cache and its start per sequence, for a model with windowed layers");
+    const int64_t shared_layers = static_cast<int64_t>(layers_.size()) - (apart ? windowed_ : 0);
     int64_t total = 0;
     for (size_t s = 0; s < seqs; ++s) {
-      TORCH_CHECK(kvs[s].size(0) == static_cast<int64_t>(layers_.size()) && starts[s] + counts[s] <= kvs[s].size(2),
+      TORCH_CHECK(kvs[s].size(0) == shared_layers && starts[s] + counts[s] <= kvs[s].size(2),
                   "the cache does not fit this step");
+      if (apart) {
+        const int64_t first_seen = std::max<int64_t>(0, starts[s] + 1 - window_);
+        TORCH_CHECK(window_kvs[s].size(0) == windowed_ && window_starts[s] % KEY_BLOCK == 0 &&
+                    window_starts[s] <= first_seen && starts[s] + counts[s] - window_starts[s] <= window_kvs[s].size(2),
+                    "the windowed cache does not hold what this step sees");
+      }
       total += counts[s];
     }
     TORCH_CHECK(x.size(0) == total && freqs.size(0) == total, "x and freqs must have the sequences' rows");
@@ -713,13 +732,17 @@ class Forward {
       if (layer.bqkv.numel()) qkv = qkv + layer.bqkv;
       qkv = qkv.contiguous();
       std::vector<at::Tensor> keys(seqs), values(seqs), queries(seqs);
+      std::vector<int64_t> begins(starts);  // each sequence's first row's index in the cache it reads
       for (size_t s = 0, row = 0; s < seqs; row += counts[s], ++s) {
-        keys[s] = kvs[s].select(0, i).select(0, 0), values[s] = kvs[s].select(0, i).select(0, 1);
+        const bool own = apart && layer.window;
+        const auto cache = own ? window_kvs[s].select(0, layer.apart) : kvs[s].select(0, apart ? layer.apart : i);
+        if (own) begins[s] -= window_starts[s];
+        keys[s] = cache.select(0, 0), values[s] = cache.select(0, 1);
         queries[s] = rope_store_at<true>(qkv.narrow(0, row, counts[s]), table.narrow(0, row, counts[s]), layer.qk_norm,
-                                         eps_, keys[s], values[s], starts[s], counts[s], heads_, kv_heads_);
+                                         eps_, keys[s], values[s], begins[s], counts[s], heads_, kv_heads_);
       }
       const auto q = seqs == 1 ? queries[0] : at::cat(queries);
-      auto out = layer.wo(attend_many(q, keys, values, starts, counts, scale_, layer.window, attend_path_));
+      auto out = layer.wo(attend_many(q, keys, values, begins, counts, scale_, layer.window, attend_path_));
       x = x + (layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out);
       const auto h = rms_norm(x, layer.ffn_norm, eps_, false);
       out = layer.moe.w13.empty() ? layer.w2(gate(layer.w13(h), gelu_)) : mixture(layer.moe, h, gelu_);
@@ -731,6 +754,7 @@ class Forward {
  private:
   std::vector<Layer> layers_;
   int64_t heads_, kv_heads_;
+  int64_t windowed_ = 0, window_ = 0;  // how many layers have a window, and the largest
   double eps_, scale_;
   bool gelu_ = false;
   std::string isa_;
@@ -760,5 +784,6 @@ PYBIND11_MODULE(_fused, m) {
       .def("set_experts", &Forward::set_experts)
       .def("forward", &Forward::forward, pybind11::arg("x"), pybind11::arg("kvs"), pybind11::arg("freqs"),
            pybind11::arg("starts"), pybind11::arg("counts"), pybind11::arg("local_freqs") = pybind11::none(),
+           pybind11::arg("window_kvs") = std::vector<at::Tensor>(), pybind11::arg("window_starts") = std::vector<int64_t>(),
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }
