@@ -8,16 +8,22 @@ import copy
 import json
 
 import jsonschema
+import llguidance.hf
 import pytest
 import torch
+from llguidance import LLMatcher
 
-from tornchat import functions, prompt
+from tornchat import checkpoint, functions, prompt
 from tornchat.engine import GenerationRequest, SamplingParams
-from tornchat.engine.grammar import Compiler, GrammarError, json_value, literal, schema_error
+from tornchat.engine.grammar import (ANY_TEXT, Compiler, Grammar, GrammarError, json_value, literal, schema_error,
+                                     token_pieces, vocabulary)
 from tornchat.functions import Choice, Format
+from tornchat.weights import gguf_file
 
+import gguf_files
 from fixtures import chat_templates
 from test_functions import TOOLS_TEMPLATE, run, summary
+from test_gguf_tokenizer import LLAMA3
 
 WEATHER = {
     "name": "get_weather",
@@ -50,6 +56,38 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
     return Compiler(tokenizer)
+
+
+@pytest.mark.parametrize("kind", ["embedded", "llama3", "sentencepiece"])
+def test_llguidance_reads_the_vocabulary_as_from_the_tokenizers_json(kind, tmp_path):
+    """Built from the tokens' pieces (byte-level vocabularies), llguidance's view of the vocabulary is the one it
+    builds from the tokenizer's JSON: each token's bytes, which are special, the end token, how a text is
+    tokenized. A SentencePiece vocabulary, whose encoding puts a space before a text, is left to the JSON."""
+    path = {"embedded": checkpoint.default_gguf_path,
+            "llama3": lambda: gguf_files.write_tokenizer(tmp_path / "llama3.gguf", **LLAMA3),
+            "sentencepiece": lambda: gguf_files.write_tokenizer(tmp_path / "sp.gguf", **gguf_files.sentencepiece_vocabulary())}[kind]()
+    tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(path))
+    assert (token_pieces(tokenizer) is None) == (kind == "sentencepiece")
+    ours, theirs = vocabulary(tokenizer), llguidance.hf.from_tokenizer(tokenizer)
+    assert ours.vocab_size == theirs.vocab_size == len(tokenizer) and ours.eos_tokens == theirs.eos_tokens
+    every = range(len(tokenizer))
+    assert [ours.decode_bytes([i]) for i in every] == [theirs.decode_bytes([i]) for i in every]
+    assert [i for i in every if ours.is_special_token(i)] == [i for i in every if theirs.is_special_token(i)]
+    for text in ["Hello world, 42 ü 😀\n\n  x", " a <think> b", "\x00\xff{\"k\": [1, 2]}", tokenizer.eos_token + "x"]:
+        assert ours.tokenize_str(text) == theirs.tokenize_str(text), text
+    for lark in ["start: " + ANY_TEXT, "start: " + json_value(FORECAST)]:  # any text: special tokens' spellings too
+        masks = [allowed(Grammar(LLMatcher(llg, LLMatcher.grammar_from_lark(lark), log_level=0), len(tokenizer)),
+                         len(tokenizer)) for llg in (ours, theirs)]
+        assert torch.equal(*masks) and 0 < int(masks[0].sum()) < len(tokenizer)
+
+
+def test_a_byte_level_vocabulary_that_puts_a_space_before_a_text_is_left_to_the_json():
+    from tokenizers import pre_tokenizers
+
+    tokenizer = copy.deepcopy(checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(checkpoint.default_gguf_path())))
+    assert token_pieces(tokenizer) is not None
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    assert token_pieces(tokenizer) is None
 
 
 def ids(tokenizer, text):

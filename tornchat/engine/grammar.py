@@ -10,6 +10,7 @@ is complete and allows nothing more, the generation ends.
 import json
 import re
 
+import llguidance
 import llguidance.hf
 import numpy as np
 import torch
@@ -17,6 +18,8 @@ from llguidance import LLMatcher
 # numpy's helpers, not llguidance.torch's: that module imports torch._dynamo (and with it Triton) into
 # every process that merely imports the engine.
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from tornchat.kernels import stopcheck
 
 # JSON on one line as json.dumps writes it: ", " and ": " and no other
 # whitespace, so that a small model cannot run away into blank lines.
@@ -51,11 +54,46 @@ def literal(text: str, special: dict[str, int] | None = None) -> str:
     return " ".join(f"<[{special[part]}]>" if part in special else json.dumps(part) for part in parts if part) or json.dumps("")
 
 
+def token_pieces(tokenizer) -> list[bytes] | None:
+    """Each id's bytes as llguidance takes them (``llguidance.TokenizerWrapper``, told the special ids apart);
+    None unless the tokenizer is byte-level BPE and spells a text as itself (no space put before it, as
+    SentencePiece's do: llguidance's own reading strips that space from the grammar's texts)."""
+    pieces = stopcheck.prompt_bytes(tokenizer)  # the slot pool's, already built; None unless byte-level
+    if pieces is None or b"".join(pieces[i] for i in tokenizer.encode("a", add_special_tokens=False)) != b"a":
+        return None
+    return list(pieces)
+
+
+class Pieces:
+    """A tokenizer as ``llguidance.TokenizerWrapper`` reads one: its pieces and special ids, and encode."""
+
+    def __init__(self, tokenizer, pieces: list[bytes]):
+        self.tokens = pieces
+        self.eos_token_id, self.bos_token_id = tokenizer.eos_token_id, tokenizer.bos_token_id
+        self.special_token_ids = [i for i, added in tokenizer.added_tokens_decoder.items() if added.special]
+        self.encode = tokenizer.encode
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text, not bytes")  # TokenizerWrapper tries bytes first
+        return self.encode(text, add_special_tokens=False)
+
+
+def vocabulary(tokenizer) -> llguidance.LLTokenizer:
+    """llguidance's view of the vocabulary. From the tokens' pieces where ``token_pieces`` reads them, in about
+    half the time of llguidance parsing the tokenizer's JSON (151,936 tokens: 0.46 against 0.83 s); else
+    that."""
+    pieces = token_pieces(tokenizer)
+    if pieces is None:
+        return llguidance.hf.from_tokenizer(tokenizer)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Pieces(tokenizer, pieces)))
+
+
 class Compiler:
     """Grammars for one tokenizer. llguidance's view of the vocabulary is slow to build, so it is built once."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer)
+        self.tokenizer = vocabulary(tokenizer)
 
     def compile(self, lark: str) -> "Grammar":
         matcher = LLMatcher(self.tokenizer, LLMatcher.grammar_from_lark(lark), log_level=0)
