@@ -23,7 +23,10 @@ A token with no bytes (a special token) passes every j through unchanged.
 
 Walking back from the newest token, the set of possible j is one int64.
 """
+import bisect
 import functools
+import itertools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,18 +66,34 @@ def prompt_bytes(tokenizer) -> tuple[bytes, ...] | None:
     return spellings(tokenizer) if _byte_level_decoder(tokenizer) is not None else None
 
 
+OUTSIDE = "\U0010ffff"  # stands for a character outside the byte-level alphabet
+
+
+class _Latin1(dict):
+    """str.translate's table: each byte-level alphabet character to the latin-1 character of its byte, any
+    other to OUTSIDE."""
+
+    def __missing__(self, code: int) -> str:
+        return OUTSIDE
+
+
 @functools.lru_cache(maxsize=4)
 def spellings(tokenizer) -> tuple[bytes, ...]:
-    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    """The bytes each id spells alone: its piece's bytes in a byte-level alphabet, else (special tokens with
+    other characters, other tokenizers) its text decoded alone."""
+    pieces = [piece or "" for piece in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
     byte_decoder = _byte_level_decoder(tokenizer)
-    vocab = []
-    for token_id, piece in enumerate(pieces):
-        if piece is None:
-            vocab.append(b"")
-        elif byte_decoder is not None and all(ch in byte_decoder for ch in piece):
-            vocab.append(bytes(byte_decoder[ch] for ch in piece))
-        else:
-            vocab.append(tokenizer.decode([token_id], skip_special_tokens=False).encode())
+    if byte_decoder is None:
+        return tuple(tokenizer.decode([i], skip_special_tokens=False).encode() if piece else b""
+                     for i, piece in enumerate(pieces))
+    # The whole vocabulary in one translation and one encoding, not character by character in Python (a
+    # 262,144-token vocabulary: 0.24 s, on a start's path).
+    mapped = "".join(pieces).translate(_Latin1({ord(ch): chr(byte) for ch, byte in byte_decoder.items()}))
+    spelled = mapped.encode("latin-1", errors="replace")
+    ends = list(itertools.accumulate(map(len, pieces)))
+    vocab = [spelled[end - len(piece) : end] for piece, end in zip(pieces, ends)]
+    for at in {bisect.bisect_right(ends, match.start()) for match in re.finditer(OUTSIDE, mapped)}:
+        vocab[at] = tokenizer.decode([at], skip_special_tokens=False).encode()
     return tuple(vocab)
 
 

@@ -96,3 +96,28 @@ def test_table_limits():
         build_stop_table(TOY_VOCAB, ["a", "b", "c", "d", "e"], [])
     with pytest.raises(ValueError):
         build_stop_table(TOY_VOCAB, ["x" * 64], [])
+
+
+def test_spellings_are_each_pieces_bytes_or_its_text_where_it_leaves_the_byte_alphabet():
+    """The whole vocabulary translated at once gives what each id gives alone: a piece's characters as the bytes
+    of the byte-level alphabet, or, where one is outside it (a special token with a space or a full-width bar),
+    the token's text."""
+    import copy
+
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from tornchat import checkpoint
+    from tornchat.kernels.stopcheck import spellings
+    from tornchat.weights import gguf_file
+
+    tokenizer = copy.deepcopy(checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(checkpoint.default_gguf_path())))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<｜begin▁of▁sentence｜>", "<tool call>"]})
+    byte_of = {ch: byte for byte, ch in bytes_to_unicode().items()}
+    expected = []
+    for token_id, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
+        inside = all(ch in byte_of for ch in piece)
+        expected.append(bytes(byte_of[ch] for ch in piece) if inside else tokenizer.decode([token_id]).encode())
+    got = spellings(tokenizer)
+    assert list(got) == expected
+    assert got[-2:] == ("<｜begin▁of▁sentence｜>".encode(), b"<tool call>")
+    assert got[tokenizer.convert_tokens_to_ids("Ġthe")] == b" the"
