@@ -175,3 +175,14 @@ def test_the_qwen3_benchmark_vocabulary_is_padded_to_qwen3s_size_and_encodes_as_
     assert padded.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False) == \
         original.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert padded.decode([vocab - 1]) == f"<unused{vocab - len(original) - 1}>"
+
+
+def test_the_built_tokenizer_takes_its_backend_over_uncopied():
+    """transformers deep-copies a tokenizer_object (a JSON round trip: a quarter of a second at 262,144
+    tokens); the backend built from the file is nobody else's, so the wrapper holds it as it is."""
+    from tokenizers import Tokenizer, models
+
+    backend = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2, "</s>": 3}, merges=[("a", "b")]))
+    tokenizer = gguf_tokenizer.BuiltTokenizer(backend, eos_token="</s>")
+    assert tokenizer.backend_tokenizer is backend
+    assert tokenizer.encode("abab</s>", add_special_tokens=False) == [2, 2, 3] and tokenizer.eos_token_id == 3

@@ -14,6 +14,7 @@ pre-tokenizers below, and "llama" (SentencePiece-style BPE with byte fallback: L
 import logging
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 log = logging.getLogger("tornchat.checkpoint")
 
@@ -121,11 +122,19 @@ def _add_file_tokens(backend: Tokenizer, tokens: list[str], types, controllable)
         backend.add_tokens(user)
 
 
+class BuiltTokenizer(PreTrainedTokenizerFast):
+    """transformers' fast tokenizer around a backend built here, which it takes over: given as
+    ``tokenizer_object`` it would be deep-copied, a round trip through JSON (0.25 s of a start at 262,144
+    tokens) of an object nothing else holds."""
+
+    def __init__(self, backend: Tokenizer, **settings):
+        self._tokenizer = backend  # what the base class's __init__ builds on where it is already set
+        super().__init__(**settings)
+
+
 def _wrap(file, tokens: list[str], backend: Tokenizer, settings: dict):
     """The transformers tokenizer around ``backend``, with the settings transformers' conversion gives it:
     special tokens named by the file's ids, the chat template, BOS (or EOS) added where the file says so."""
-    from transformers import PreTrainedTokenizerFast
-
     for name, key in (("add_bos_token", "tokenizer.ggml.add_bos_token"), ("add_eos_token", "tokenizer.ggml.add_eos_token"),
                       ("chat_template", "tokenizer.chat_template")):
         if file.value(key) is not None:
@@ -134,4 +143,4 @@ def _wrap(file, tokens: list[str], backend: Tokenizer, settings: dict):
                       ("pad_token", "padding_token_id")):
         token_id = file.value(f"tokenizer.ggml.{key}")
         settings[name] = tokens[token_id] if token_id is not None else None
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **settings)
+    return BuiltTokenizer(backend, **settings)
