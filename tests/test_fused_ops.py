@@ -68,6 +68,24 @@ def test_gated_activations(dtype, gate):
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 2**-7)
 
 
+@pytest.mark.parametrize("gate", ["silu_mul", "gelu_mul"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_activations_give_the_same_bits_on_every_vector_path_and_alone(dtype, gate):
+    """The gate runs in 16-lane vectors on the attention's path: AVX2 and AVX-512 make the same operations, so
+    the same bits (the baseline only close); a row's bits do not depend on the rows beside it; a width that is
+    no multiple of 16 is padded, not computed otherwise."""
+    paths = [isa for isa in blocks.isas() if isa != "generic"] or ["generic"]
+    gate_up = (torch.randn(5, 2 * 1000) * 4).to(dtype)
+    op = getattr(fused._native, gate)
+    outs = {isa: op(gate_up, isa=isa) for isa in paths + ["generic"]}
+    for isa in paths:
+        assert torch.equal(outs[isa], outs[paths[0]]), isa
+    assert torch.equal(torch.cat([op(gate_up[i : i + 1], isa=paths[0]) for i in range(5)]), outs[paths[0]])
+    torch.testing.assert_close(outs["generic"].float(), outs[paths[0]].float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[paths[0]].float(), getattr(fused.REFERENCE, gate)(gate_up).float(),
+                               atol=1e-5, rtol=1e-5 if dtype == torch.float32 else 2**-7)
+
+
 @pytest.mark.parametrize("window", [0, 5, 20])  # Gemma 3's sliding windows: inside a key block, across blocks
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 1, 256)])

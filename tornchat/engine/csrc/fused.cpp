@@ -173,44 +173,47 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor
   return rope_store_at<false>(qkv, freqs, qk_norm.value_or(at::Tensor()), eps, keys, values, 0, rows, heads, kv_heads);
 }
 
-// The gate's activation: SiLU, or GELU's tanh approximation (Gemma 3).
-template <bool GELU>
-inline float activation(float g) {
-  if constexpr (GELU) return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-  return g / (1.f + std::exp(-g));
+// act(gate) * up over 16 lanes, act(g) = g * sigmoid(s): SiLU's s = g, or GELU's tanh approximation (Gemma 3),
+// whose 0.5 (1 + tanh u) is sigmoid(2u), s = 2u = 2 sqrt(2 / pi) (g + 0.044715 g^3). In vectors, not libm's
+// scalar tanh and exp per value: those took a third of a Gemma 3 prefill.
+template <bool GELU, typename F>
+inline __attribute__((always_inline)) F gated_lanes(F g, F up) {
+  const F s = GELU ? g * (1.5957691216057308f + 0.07135481627159893f * (g * g)) : g;
+  return g * sigmoid(s) * up;
 }
 
-template <bool GELU, typename T>
-void gated_rows(const T* gate_up, T* out, int64_t rows, int64_t width) {
-  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const T* gate = gate_up + r * 2 * width;
-      const T* up = gate + width;
-      T* y = out + r * width;
-      for (int64_t i = 0; i < width; ++i) y[i] = static_cast<T>(activation<GELU>(to_float(gate[i])) * to_float(up[i]));
+// Rows first .. last - 1 of gate_up [rows, 2 * width] (gate then up) -> out [rows, width], 16 values at a time (a
+// short last group padded with zeros, so that every value takes the same operations).
+template <bool GELU, typename F, typename T>
+inline __attribute__((always_inline)) void gated_rows_on(const T* gate_up, T* out, int64_t first, int64_t last,
+                                                         int64_t width) {
+  for (int64_t r = first; r < last; ++r) {
+    const T* gate = gate_up + r * 2 * width;
+    const T* up = gate + width;
+    T* y = out + r * width;
+    for (int64_t i = 0; i < width; i += LANES) {
+      const int64_t n = std::min<int64_t>(LANES, width - i);
+      float g[LANES] = {}, u[LANES] = {}, act[LANES];
+      for (int64_t j = 0; j < n; ++j) g[j] = to_float(gate[i + j]), u[j] = to_float(up[i + j]);
+      store_vec(act, gated_lanes<GELU>(load_vec<F>(g), load_vec<F>(u)));
+      for (int64_t j = 0; j < n; ++j) y[i + j] = static_cast<T>(act[j]);
     }
-  });
+  }
 }
 
-// gate_up [rows, 2 * width] (gate then up) -> act(gate) * up [rows, width], same dtype (fp32 or bf16); act is SiLU,
-// or with GELU the tanh approximation of GELU.
-template <bool GELU>
-at::Tensor gated(const at::Tensor& gate_up) {
-  check_cpu_contiguous(gate_up, "gate_up");
-  const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * width);
-  auto out = at::empty({rows, width}, gate_up.options());
-  if (gate_up.scalar_type() == at::kBFloat16)
-    gated_rows<GELU>(gate_up.data_ptr<BFloat16>(), out.data_ptr<BFloat16>(), rows, width);
-  else if (gate_up.scalar_type() == at::kFloat)
-    gated_rows<GELU>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, width);
-  else
-    TORCH_CHECK(false, "silu_mul and gelu_mul take fp32 or bf16");
-  return out;
-}
-
-at::Tensor silu_mul(const at::Tensor& gate_up) { return gated<false>(gate_up); }
-at::Tensor gelu_mul(const at::Tensor& gate_up) { return gated<true>(gate_up); }
-at::Tensor gate(const at::Tensor& gate_up, bool gelu) { return gelu ? gelu_mul(gate_up) : silu_mul(gate_up); }
+// gated_rows_on compiled for each instruction-set path (vec.h); the vector paths give the same bits. (A lambda
+// is compiled for the default target whatever encloses it: the threads' lambda calls these.)
+#define GATED_ON(NAME, TARGET, F)                                                                               \
+  template <bool GELU, typename T>                                                                             \
+  TARGET void NAME(const T* gate_up, T* out, int64_t first, int64_t last, int64_t width) {                      \
+    gated_rows_on<GELU, F>(gate_up, out, first, last, width);                                                   \
+  }
+GATED_ON(gated_baseline, , Halves<Halves<Vec4>>)
+#ifdef VEC_X86
+GATED_ON(gated_avx2, TARGET_AVX2, Halves<Vec8>)
+GATED_ON(gated_avx512, TARGET_AVX512, Vec)
+#endif
+#undef GATED_ON
 
 // Attention of n rows over the cache, computed so that row r of n gets the same bits whatever n is: each
 // row's scores, softmax and weighted sum depend only on its query and the positions 0 .. start + r it sees, in a
@@ -451,6 +454,39 @@ AttendPath attend_path(const std::string& isa) {
 #endif
 }
 
+// gate_up [rows, 2 * width] (gate then up) -> act(gate) * up [rows, width], same dtype (fp32 or bf16); act is SiLU,
+// or with GELU the tanh approximation of GELU (gated_lanes), on the vector path attention takes.
+template <bool GELU, typename T>
+void gated_on(AttendPath path, const T* gate_up, T* out, int64_t rows, int64_t width) {
+  at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
+#ifdef VEC_X86
+    if (path == AttendPath::avx512) return gated_avx512<GELU>(gate_up, out, first, last, width);
+    if (path == AttendPath::avx2) return gated_avx2<GELU>(gate_up, out, first, last, width);
+#endif
+    gated_baseline<GELU>(gate_up, out, first, last, width);
+  });
+}
+
+template <bool GELU>
+at::Tensor gated(const at::Tensor& gate_up, AttendPath path) {
+  check_cpu_contiguous(gate_up, "gate_up");
+  const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * width);
+  auto out = at::empty({rows, width}, gate_up.options());
+  if (gate_up.scalar_type() == at::kBFloat16)
+    gated_on<GELU>(path, gate_up.data_ptr<BFloat16>(), out.data_ptr<BFloat16>(), rows, width);
+  else if (gate_up.scalar_type() == at::kFloat)
+    gated_on<GELU>(path, gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, width);
+  else
+    TORCH_CHECK(false, "silu_mul and gelu_mul take fp32 or bf16");
+  return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& isa) { return gated<false>(gate_up, attend_path(isa)); }
+at::Tensor gelu_mul(const at::Tensor& gate_up, const std::string& isa) { return gated<true>(gate_up, attend_path(isa)); }
+at::Tensor gate(const at::Tensor& gate_up, bool gelu, AttendPath path) {
+  return gelu ? gated<true>(gate_up, path) : gated<false>(gate_up, path);
+}
+
 template <typename Kv>
 void attend_on(AttendPath path, const Query* queries, int64_t count, const Kv* keys, const Kv* values, int64_t h,
                int64_t kv_heads, int64_t d, float scale, float* scores) {
@@ -592,7 +628,7 @@ void route_row(const float* logits, int64_t count, int64_t top_k, bool norm_top_
 // matrices run once on the rows routed to it, gathered (a decode step's row reads its top_k experts' blocks and no
 // others'); a row's top_k outputs are weighted and summed in order of rank. The block kernels compute each row by
 // itself, so a row's bits do not depend on which rows share its experts.
-at::Tensor mixture(const Experts& moe, const at::Tensor& h, bool gelu) {
+at::Tensor mixture(const Experts& moe, const at::Tensor& h, bool gelu, AttendPath path) {
   const auto logits = moe.router(h).contiguous();
   const int64_t rows = h.size(0), hidden = h.size(1), count = logits.size(1), k = moe.top_k;
   std::vector<int64_t> chosen(rows * k);
@@ -607,7 +643,7 @@ at::Tensor mixture(const Experts& moe, const at::Tensor& h, bool gelu) {
   std::vector<at::Tensor> at_slots(used.size()), ys(used.size());
   const auto expert = [&](size_t i) {
     at_slots[i] = at::tensor(slots[used[i]], at::kLong);
-    ys[i] = moe.w2[used[i]](gate(moe.w13[used[i]](h.index_select(0, at::floor_divide(at_slots[i], k))), gelu));
+    ys[i] = moe.w2[used[i]](gate(moe.w13[used[i]](h.index_select(0, at::floor_divide(at_slots[i], k))), gelu, path));
   };
   if (rows * k <= FEW_SLOTS) {
     // A step's few rows: the threads take whole experts (the products inside run on the thread that calls
@@ -745,7 +781,7 @@ class Forward {
       auto out = layer.wo(attend_many(q, keys, values, begins, counts, scale_, layer.window, attend_path_));
       x = x + (layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out);
       const auto h = rms_norm(x, layer.ffn_norm, eps_, false);
-      out = layer.moe.w13.empty() ? layer.w2(gate(layer.w13(h), gelu_)) : mixture(layer.moe, h, gelu_);
+      out = layer.moe.w13.empty() ? layer.w2(gate(layer.w13(h), gelu_, attend_path_)) : mixture(layer.moe, h, gelu_, attend_path_);
       x = x + (layer.post_ffn_norm.numel() ? rms_norm(out, layer.post_ffn_norm, eps_, false) : out);
     }
     return x;
@@ -769,8 +805,8 @@ PYBIND11_MODULE(_fused, m) {
         "written into the cache", pybind11::arg("qkv"), pybind11::arg("freqs"), pybind11::arg("keys"),
         pybind11::arg("values"), pybind11::arg("heads"), pybind11::arg("kv_heads"), pybind11::arg("qk_norm") = pybind11::none(),
         pybind11::arg("eps") = 0.0);
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("gelu_mul", &gelu_mul, "gelu_tanh(gate) * up");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", pybind11::arg("gate_up"), pybind11::arg("isa") = "");
+  m.def("gelu_mul", &gelu_mul, "gelu_tanh(gate) * up", pybind11::arg("gate_up"), pybind11::arg("isa") = "");
   m.def("attend", &attend, "causal attention of n rows over a cache in the forward's layout, each row as if alone",
         pybind11::arg("q"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("start"),
         pybind11::arg("scale"), pybind11::arg("window") = 0, pybind11::arg("isa") = "");

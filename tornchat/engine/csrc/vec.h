@@ -1,5 +1,5 @@
-// What fused.cpp's vector loops use: 16-lane vectors in GCC's vector extensions, their loads, a sum and an
-// exp over them, and the instruction sets they are compiled for.
+// What fused.cpp's vector loops use: 16-lane vectors in GCC's vector extensions, their loads, a sum, an exp and
+// a sigmoid over them, and the instruction sets they are compiled for.
 //
 // Built without -march (the wheel must run on any x86-64), a loop is compiled once per path below and chosen at
 // run time (fused.cpp's attend_path). The vectors spell out 16 lanes, so the lanes and every reduction's order
@@ -60,6 +60,7 @@ struct Halves {
 HALVES_OPERATOR(+)
 HALVES_OPERATOR(-)
 HALVES_OPERATOR(*)
+HALVES_OPERATOR(/)
 HALVES_OPERATOR(&)
 HALVES_OPERATOR(<<)
 HALVES_OPERATOR(<)
@@ -165,6 +166,14 @@ inline __attribute__((always_inline)) F exp_nonpositive(F x) {
   p = p * f + 6.9314691e-1f;
   p = p * f + 1.0f;
   return p * bit_cast<F>((whole + 127) << 23);
+}
+
+// 1 / (1 + exp(-s)), from exp_nonpositive of -|s|: exp(-|s|) / (1 + exp(-|s|)) where s < 0.
+template <typename F>
+inline __attribute__((always_inline)) F sigmoid(F s) {
+  const auto negative = s < 0.0f;
+  const F z = exp_nonpositive(select(negative, s, F{} - s));
+  return select(negative, z, F{} + 1.0f) / (1.0f + z);
 }
 
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {
