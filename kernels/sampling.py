@@ -82,9 +82,9 @@ CODE_FLOOR = (torch.arange(CODES + 1, dtype=torch.int32) << CODE_SHIFT).view(tor
 
 
 def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The probability of the last token top-p keeps (probs: a softmax's, or its nonzero values, in any
-    order): going down the sorted probabilities, the first at which the running sum reaches top_p (the last
-    one, where round-off leaves the sum below it)."""
+    """The probability of the last token top-p keeps (probs: a softmax's, whole or but for tokens of
+    probability 0, in any order): going down the sorted probabilities, the first at which the running sum
+    reaches top_p (the last one, where round-off leaves the sum below it)."""
     # Only the head of the sorted row matters, and sorting a whole large vocabulary costs milliseconds
     # (the largest 2,048 of 152k values: 1 ms on 2 cores). Counting the tokens by code bounds the mass
     # below each code from above (each token counted at the next code's floor), so the mass at or above

@@ -10,7 +10,6 @@ is complete and allows nothing more, the generation ends.
 import json
 import re
 
-import llguidance
 import llguidance.hf
 import numpy as np
 import torch
