@@ -593,10 +593,11 @@ struct Layer {
   Linear wqkv, wo, w13, w2;  // w13, w2 without parts where the MLP is a mixture of experts
   Experts moe;               // no experts where the MLP is dense
   // Gemma 3 (Forward::gemma): norms of the attention's and the MLP's outputs (or empty), and the attention window
-  // (0: none), whose layers take the second RoPE table; where the windowed layers' caches are apart from the
-  // others' (Forward::forward's window_kvs), the layer's index among the layers of its kind
+  // (0: none), whose layers take the second RoPE table; kind_index: the layer's index among the windowed layers,
+  // or among the others, which is its index in its cache where the windowed layers' caches are apart from the
+  // others' (Forward::forward's window_kvs)
   at::Tensor post_attn_norm, post_ffn_norm;
-  int64_t window = 0, apart = 0;
+  int64_t window = 0, kind_index = 0;
 };
 
 // Up to this many (row, expert) slots, a mixture's threads split the experts rather than each expert's products:
@@ -702,7 +703,7 @@ class Forward {
     for (size_t i = 0; i < layers_.size(); ++i) {
       layers_[i].post_attn_norm = norms[2 * i], layers_[i].post_ffn_norm = norms[2 * i + 1];
       layers_[i].window = windows[i];
-      layers_[i].apart = windows[i] ? windowed_++ : static_cast<int64_t>(i) - windowed_;
+      layers_[i].kind_index = windows[i] ? windowed_++ : static_cast<int64_t>(i) - windowed_;
       window_ = std::max(window_, windows[i]);
     }
     gelu_ = gelu;
@@ -771,7 +772,7 @@ class Forward {
       std::vector<int64_t> begins(starts);  // each sequence's first row's index in the cache it reads
       for (size_t s = 0, row = 0; s < seqs; row += counts[s], ++s) {
         const bool own = apart && layer.window;
-        const auto cache = own ? window_kvs[s].select(0, layer.apart) : kvs[s].select(0, apart ? layer.apart : i);
+        const auto cache = own ? window_kvs[s].select(0, layer.kind_index) : kvs[s].select(0, apart ? layer.kind_index : i);
         if (own) begins[s] -= window_starts[s];
         keys[s] = cache.select(0, 0), values[s] = cache.select(0, 1);
         queries[s] = rope_store_at<true>(qkv.narrow(0, row, counts[s]), table.narrow(0, row, counts[s]), layer.qk_norm,
