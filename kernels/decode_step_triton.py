@@ -4,14 +4,20 @@
 A row's position is read on the device, never passed as a number, so that
 one captured graph serves every step of a generation.
 """
+import functools
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
 ATTEND_BLOCK = 32  # keys per iteration of attention's loop
 ATTEND_QUERIES = 16  # a KV head's query heads, padded to the smallest matrix-product tile
-SPLIT_POSITIONS = 256  # positions a program of attention covers at least, before its cache is split among more
-MOST_SPLITS = 64
+# Positions a program of attention covers: fixed, so that a row's sums are split the same way whatever the
+# cache's capacity (a verify may grow the cache before a row that a lone step would attend from the smaller one).
+SPLIT_POSITIONS = tl.constexpr(256)
 
 
 @triton.jit
@@ -47,7 +53,11 @@ def _rope_store_kernel(qkv_ptr, bias_ptr, table_ptr, position_ptr, norm_ptr, q_p
                        position_stride, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
                        HEADS_P2: tl.constexpr, KV_P2: tl.constexpr, HALF_P2: tl.constexpr,
                        HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr):
-    position = tl.load(position_ptr)
+    """Program r: row r of qkv, at positions[r] of the one cache every row writes."""
+    row = tl.program_id(0).to(tl.int64)
+    qkv_ptr += row * (HEADS + 2 * KV_HEADS) * 2 * HALF
+    q_ptr += row * HEADS * 2 * HALF
+    position = tl.load(position_ptr + row)
     head = tl.arange(0, HEADS_P2)[:, None]  # query heads, then key heads
     pair = tl.arange(0, HALF_P2)[None, :]
     inside = (head < HEADS + KV_HEADS) & (pair < HALF)
@@ -86,13 +96,13 @@ def _rope_store_kernel(qkv_ptr, bias_ptr, table_ptr, position_ptr, norm_ptr, q_p
              mask=inside)
 
 
-def rope_store(qkv: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor, position: torch.Tensor,
+def rope_store(qkv: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor, positions: torch.Tensor,
                keys: torch.Tensor, values: torch.Tensor, heads: int, kv_heads: int, qk_norm: torch.Tensor | None,
                eps: float) -> torch.Tensor:
-    head_dim = keys.shape[-1]
-    q = torch.empty(1, heads, head_dim, dtype=keys.dtype, device=keys.device)
-    _rope_store_kernel[(1,)](
-        qkv, bias if bias is not None else qkv, table, position, qk_norm if qk_norm is not None else table, q, keys,
+    rows, head_dim = qkv.shape[0], keys.shape[-1]
+    q = torch.empty(rows, heads, head_dim, dtype=keys.dtype, device=keys.device)
+    _rope_store_kernel[(rows,)](
+        qkv, bias if bias is not None else qkv, table, positions, qk_norm if qk_norm is not None else table, q, keys,
         values, keys.stride(0), eps, HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2,
         HEADS_P2=triton.next_power_of_2(heads + kv_heads), KV_P2=triton.next_power_of_2(kv_heads),
         HALF_P2=triton.next_power_of_2(head_dim // 2), HAS_BIAS=bias is not None, HAS_NORM=qk_norm is not None,
@@ -102,16 +112,21 @@ def rope_store(qkv: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor
 
 @triton.jit
 def _attend_kernel(q_ptr, keys_ptr, values_ptr, position_ptr, acc_ptr, best_ptr, total_ptr, out_ptr,
-                   position_stride, scale, split_positions, splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   DIM_P2: tl.constexpr, QUERIES: tl.constexpr, BLOCK: tl.constexpr, SPLIT: tl.constexpr):
-    """Program (KV head h, split s): softmax-weighted values of positions s * split_positions .. up to the row's
-    own, for h's query heads, in fp32 (bf16 keys and values widened exactly); the unnormalized sums with their
-    running maximum and total where SPLIT, else the row's output."""
+                   position_stride, scale, splits, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, QUERIES: tl.constexpr, BLOCK: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    """Program (KV head h, split s, row r): softmax-weighted values of positions s * SPLIT_POSITIONS .. up to row
+    r's own, for h's query heads, in fp32 (bf16 keys and values widened exactly); the unnormalized sums with
+    their running maximum and total where SPLIT, else the row's output."""
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
-    seen = tl.load(position_ptr) + 1
-    start = split * split_positions
-    end = tl.minimum(start + split_positions, seen)
+    row = tl.program_id(2).to(tl.int64)
+    seen = tl.load(position_ptr + row) + 1
+    start = split * SPLIT_POSITIONS
+    if start >= seen:  # past the row's position: the combine reads no split past its own
+        return
+    end = tl.minimum(start + SPLIT_POSITIONS, seen)
+    q_ptr += row * KV_HEADS * GROUP * HEAD_DIM
     query = tl.arange(0, QUERIES)
     dim = tl.arange(0, DIM_P2)
     dims = (dim < HEAD_DIM)[None, :]
@@ -136,58 +151,65 @@ def _attend_kernel(q_ptr, keys_ptr, values_ptr, position_ptr, acc_ptr, best_ptr,
         best = new_best
     rows = (query < GROUP)[:, None] & dims
     if SPLIT:
-        part = (kv_head * splits + split) * QUERIES + query
+        part = ((row * KV_HEADS + kv_head) * splits + split) * QUERIES + query
         tl.store(best_ptr + part, best, mask=query < GROUP)
         tl.store(total_ptr + part, total, mask=query < GROUP)
         tl.store(acc_ptr + part[:, None] * HEAD_DIM + dim[None, :], acc, mask=rows)
     else:
         out = acc / total[:, None]
-        tl.store(out_ptr + (kv_head * GROUP + query)[:, None] * HEAD_DIM + dim[None, :],
+        tl.store(out_ptr + (row * KV_HEADS * GROUP + kv_head * GROUP + query)[:, None] * HEAD_DIM + dim[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=rows)
 
 
 @triton.jit
-def _attend_combine_kernel(acc_ptr, best_ptr, total_ptr, out_ptr, splits, GROUP: tl.constexpr,
-                           HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr, QUERIES: tl.constexpr,
-                           SPLITS_P2: tl.constexpr):
-    """Program (query head): its splits' sums, each rescaled to the largest maximum, over their totals."""
+def _attend_combine_kernel(acc_ptr, best_ptr, total_ptr, position_ptr, out_ptr, splits, KV_HEADS: tl.constexpr,
+                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+                           QUERIES: tl.constexpr):
+    """Program (query head, row): the row's splits up to its position, in order, each rescaled to the largest
+    maximum so far, over their totals. One split alone gives what the unsplit kernel gives (its sums times
+    exp(0) = 1), and a split's sums do not depend on how many splits the cache holds: the row's bits depend on
+    its position, not on the cache's capacity."""
     head = tl.program_id(0)
-    kv_head = head // GROUP
-    split = tl.arange(0, SPLITS_P2)
-    part = (kv_head * splits + split) * QUERIES + head % GROUP
-    best = tl.load(best_ptr + part, mask=split < splits, other=float("-inf"))
-    top = tl.max(best, axis=0)
-    weight = tl.where(best > float("-inf"), tl.exp(best - top), 0.0)  # a split past the row's position: none
-    total = tl.sum(weight * tl.load(total_ptr + part, mask=split < splits, other=0.0), axis=0)
+    row = tl.program_id(1).to(tl.int64)
+    used = tl.cdiv(tl.load(position_ptr + row) + 1, SPLIT_POSITIONS)
+    part = ((row * KV_HEADS + head // GROUP) * splits) * QUERIES + head % GROUP
     dim = tl.arange(0, DIM_P2)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dim[None, :],
-                  mask=(split < splits)[:, None] & (dim < HEAD_DIM)[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * acc, axis=0) / total
-    tl.store(out_ptr + head * HEAD_DIM + dim, out.to(out_ptr.dtype.element_ty), mask=dim < HEAD_DIM)
+    inside = dim < HEAD_DIM
+    best = tl.load(best_ptr + part)
+    total = tl.load(total_ptr + part)
+    acc = tl.load(acc_ptr + part * HEAD_DIM + dim, mask=inside, other=0.0)
+    for split in range(1, used):
+        at = part + split * QUERIES
+        theirs_best = tl.load(best_ptr + at)
+        top = tl.maximum(best, theirs_best)
+        mine, theirs = tl.exp(best - top), tl.exp(theirs_best - top)
+        total = total * mine + tl.load(total_ptr + at) * theirs
+        acc = acc * mine + tl.load(acc_ptr + at * HEAD_DIM + dim, mask=inside, other=0.0) * theirs
+        best = top
+    tl.store(out_ptr + (row * KV_HEADS * GROUP + head) * HEAD_DIM + dim, (acc / total).to(out_ptr.dtype.element_ty),
+             mask=inside)
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor,
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
            scale: float) -> torch.Tensor:
-    _, heads, head_dim = q.shape
+    rows, heads, head_dim = q.shape
     capacity, kv_heads = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
     queries = max(ATTEND_QUERIES, triton.next_power_of_2(group))
-    splits = min(MOST_SPLITS, triton.cdiv(capacity, SPLIT_POSITIONS))
-    split_positions = triton.cdiv(triton.cdiv(capacity, splits), ATTEND_BLOCK) * ATTEND_BLOCK
-    out = torch.empty(1, heads * head_dim, dtype=q.dtype, device=q.device)
+    splits = triton.cdiv(capacity, SPLIT_POSITIONS.value)
+    out = torch.empty(rows, heads * head_dim, dtype=q.dtype, device=q.device)
     if splits > 1:
-        acc = torch.empty(kv_heads * splits * queries, head_dim, dtype=torch.float32, device=q.device)
-        best = torch.empty(kv_heads * splits * queries, dtype=torch.float32, device=q.device)
+        acc = torch.empty(rows * kv_heads * splits * queries, head_dim, dtype=torch.float32, device=q.device)
+        best = torch.empty(rows * kv_heads * splits * queries, dtype=torch.float32, device=q.device)
         total = torch.empty_like(best)
     else:
         acc = best = total = out
-    _attend_kernel[(kv_heads, splits)](
-        q, keys, values, position, acc, best, total, out, keys.stride(0), scale, split_positions, splits,
-        GROUP=group, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim), QUERIES=queries,
-        BLOCK=ATTEND_BLOCK, SPLIT=splits > 1, num_warps=4)
+    shape = dict(KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim),
+                 QUERIES=queries)
+    _attend_kernel[(kv_heads, splits, rows)](q, keys, values, positions, acc, best, total, out, keys.stride(0), scale,
+                                             splits, BLOCK=ATTEND_BLOCK, SPLIT=splits > 1, num_warps=4, **shape)
     if splits > 1:
-        _attend_combine_kernel[(heads,)](acc, best, total, out, splits, GROUP=group, HEAD_DIM=head_dim,
-                                         DIM_P2=triton.next_power_of_2(head_dim), QUERIES=queries, SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
+        _attend_combine_kernel[(heads, rows)](acc, best, total, positions, out, splits, num_warps=1, **shape)
     return out
 
 
@@ -206,4 +228,76 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, width, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(width, block))](gate_up, out, width, BLOCK=block, num_warps=4)
+    return out
+
+
+ROWS_TILE = tl.constexpr(16)  # rows a product takes: the smallest matrix-product tile, whatever number of them is used
+
+
+@triton.jit(do_not_specialize=["rows"])
+def _linear_rows_kernel(x_ptr, w_ptr, out_ptr, rows, n, k, x_stride, w_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        WIDEN: tl.constexpr):
+    """Program (block of BLOCK_N outputs): x [rows, k] times those rows of w [n, k], over k in order, in fp32.
+    ``rows`` is not specialized: one compiled kernel serves every row count, so a row's bits cannot depend on it."""
+    col = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = tl.arange(0, ROWS_TILE)
+    step = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([ROWS_TILE, BLOCK_N], tl.float32)
+    for start in range(0, k, BLOCK_K):
+        at = start + step
+        xs = tl.load(x_ptr + row[:, None] * x_stride + at[None, :], mask=(row < rows)[:, None] & (at < k)[None, :],
+                     other=0.0)
+        ws = tl.load(w_ptr + col[:, None] * w_stride + at[None, :], mask=(col < n)[:, None] & (at < k)[None, :], other=0.0)
+        if WIDEN:  # fp32 products in fp32 (not TF32); and the interpreter's, whose numpy has no bf16
+            acc = tl.dot(xs.to(tl.float32), tl.trans(ws.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(xs, tl.trans(ws), acc)
+    tl.store(out_ptr + row[:, None] * n + col[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(row < rows)[:, None] & (col < n)[None, :])
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def linear_config(n: int, k: int) -> LinearConfig:
+    """The launch for a product of shape [n, k], whatever its row count: about one program per multiprocessor
+    (at least 16 outputs each, the tile; at most 64), each reading a tile of 8-32 KiB a step along k. Read off
+    24 launches timed per matrix of the 135M, 1B and 8B shapes on an H200 (docs/performance.md): within 2% of
+    cuBLAS's one-row product or faster for each matrix but the 8B's wqkv and the 135M's and 1B's heads.
+    k is not split among programs: a split would need a second pass to sum in a fixed order."""
+    block_n = min(64, max(16, triton.next_power_of_2(triton.cdiv(n, _multiprocessors()))))
+    block_k = 512 if block_n <= 32 and k >= 1024 else 128 if block_n >= 64 or k < 1024 else 256
+    return LinearConfig(block_n, block_k, 4, 4 if block_n * block_k >= 16384 else 3)
+
+
+@functools.cache
+def _multiprocessors() -> int:
+    return torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 132
+
+
+def linear_rows(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
+    """x [rows <= ROWS_TILE, k] @ w [n, k].T in w's dtype (x cast to it first, as ``F.linear`` takes it), summed in
+    fp32 and rounded once. A row's result is the same bits whatever rows are beside it: every call runs the
+    same compiled kernel on a tile of ROWS_TILE rows (the unused ones zeros), and a matrix-product instruction
+    computes each output row from its own input row only. ``config``: a launch other than ``linear_config``'s
+    (bench/gpu.py tries them)."""
+    rows, k = x.shape
+    n = w.shape[0]
+    if rows > ROWS_TILE.value:
+        raise ValueError(f"{rows} rows: a step's product takes at most {ROWS_TILE.value}")
+    x = x.to(w.dtype)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if w.stride(1) != 1:
+        raise ValueError("the weights' rows must be contiguous")
+    out = torch.empty(rows, n, dtype=w.dtype, device=w.device)
+    c = config or linear_config(n, k)
+    _linear_rows_kernel[(triton.cdiv(n, c.block_n),)](
+        x, w, out, rows, n, k, x.stride(0), w.stride(0), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        WIDEN=w.dtype == torch.float32 or INTERPRETING, num_warps=c.warps, num_stages=c.stages)
     return out

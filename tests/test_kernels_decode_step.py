@@ -34,6 +34,15 @@ def rounded_alike(got: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(got, expected, atol=0, rtol=2 ** -7)
 
 
+def same_bits_on_gpu(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    """Equal where the product kernel runs compiled; close in the interpreter, whose matrix product is numpy's:
+    BLAS may sum a row at one place of a tile otherwise than at another (a GPU's instruction does not)."""
+    if DEVICE == "cuda":
+        assert torch.equal(got, expected)
+    else:
+        close(got, expected, dtype)
+
+
 def close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     scale = float(expected.float().abs().max())
@@ -140,3 +149,89 @@ def test_a_step_on_the_kernels_is_the_step_on_the_references(qwen, kv_dtype):
     close(got, expected, kv_dtype)
     for e, g in zip(expected_kv, got_kv):
         close(g, e, kv_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(96, 64), (200, 300), (1000, 1100)])
+def test_linear_rows_is_the_product_and_a_row_gets_the_same_bits_beside_any_rows(dtype, n, k):
+    """x @ w.T rounded once to w's dtype; row i of a call of any rows, at any place in it, equal to a call of
+    that row alone, bit for bit (widths that are no multiple of the kernel's blocks included)."""
+    kernels = step_ops._kernels()
+    x, w = randn(16, k, dtype=dtype, seed=11), randn(n, k, dtype=dtype, seed=12) / k ** 0.5
+    alone = torch.cat([kernels.linear_rows(x[i : i + 1], w) for i in range(16)])
+    assert alone.shape == (16, n) and alone.dtype == dtype
+    close(alone, x.float() @ w.float().T, dtype)
+    for start, end in ((0, 16), (3, 5), (7, 15), (15, 16)):
+        same_bits_on_gpu(kernels.linear_rows(x[start:end], w), alone[start:end], dtype)
+    for config in (kernels.LinearConfig(16, 64, 4, 2), kernels.LinearConfig(64, 128, 8, 3)):  # launches bench/gpu.py tries
+        close(kernels.linear_rows(x[:3], w, config), alone[:3], dtype)
+    with pytest.raises(ValueError, match="at most 16"):
+        kernels.linear_rows(randn(17, k, dtype=dtype), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_one_cache_are_rotated_stored_and_attended_as_each_alone(dtype):
+    """A verify's rows in one call of rope_store and one of attend: each row's query, cache entries and attention
+    over the cache up to its own position bit for bit those of the row's own calls, one after another."""
+    heads, kv_heads, head_dim, capacity = 8, 2, 32, 512
+    qkv, bias, table, norm = rope_case(heads, kv_heads, head_dim, dtype, True, True, capacity)
+    rows = randn(5, qkv.shape[1], dtype=dtype, seed=13)
+    positions = torch.arange(250, 255, device=DEVICE)  # across the first split's end (256 positions)
+    caches = []
+    for together in (True, False):
+        keys, values = (randn(capacity, kv_heads, head_dim, dtype=dtype, seed=seed) for seed in (14, 15))
+        if together:
+            q = KERNELS.rope_store(rows, bias, table, positions, keys, values, heads, kv_heads, norm, 1e-6)
+            out = KERNELS.attend(q, keys, values, positions, head_dim ** -0.5)
+        else:
+            q = torch.cat([KERNELS.rope_store(rows[r : r + 1], bias, table, positions[r : r + 1], keys, values, heads,
+                                              kv_heads, norm, 1e-6) for r in range(5)])
+            out = torch.cat([KERNELS.attend(q[r : r + 1], keys, values, positions[r : r + 1], head_dim ** -0.5)
+                             for r in range(5)])
+        caches.append((q, keys, values, out))
+    for got, expected in zip(*caches):
+        assert torch.equal(got, expected)
+    reference = step_ops.attend_ref(caches[0][0], caches[0][1], caches[0][2], positions, head_dim ** -0.5)
+    close(caches[0][3], reference, dtype)
+
+
+@pytest.mark.parametrize("position", [3, 255, 256, 700])
+def test_a_rows_attention_does_not_depend_on_the_caches_capacity(position):
+    """The same keys and values in caches of 256, 1024 and 4096 positions (one block of positions, then split
+    among programs): the same bits at every position, so a verify that grows the cache before a row attends
+    gives that row what a step on the smaller cache gives."""
+    heads, kv_heads, head_dim = 8, 2, 64
+    q = randn(1, heads, head_dim, seed=16)
+    keys, values = (randn(4096, kv_heads, head_dim, seed=seed) for seed in (17, 18))
+    where = torch.tensor([position], device=DEVICE)
+    got = [KERNELS.attend(q, keys[:capacity], values[:capacity], where, 0.125)
+           for capacity in (256, 1024, 4096) if capacity > position]
+    assert all(torch.equal(g, got[-1]) for g in got)
+    close(got[-1], step_ops.attend_ref(q, keys[: position + 1], values[: position + 1], where, 0.125), torch.float32)
+
+
+def test_a_verify_in_one_step_is_its_rows_steps_bit_for_bit():
+    """Four rows of one cache in one step (padded to 8 rows) against four one-row steps on a copy of the cache:
+    the same logits and cache entries, bit for bit on a GPU. The kernels' ops say so of this runner (its captured
+    steps then take a verify whole); PyTorch's do not."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                         tie_word_embeddings=True)).eval()
+    spec, weights = llama.from_transformers(model.to(DEVICE))
+    run = llama.LlamaRunner(spec, weights, graphs=False)
+    assert KERNELS.rows_apart(run) and not step_ops.REFERENCE.rows_apart(run)
+    drafts, positions = [5, 6, 7, 8], list(range(20, 24))
+    with torch.inference_mode():
+        cache = run.new_cache()
+        run.forward(list(range(10, 30)), cache)
+        cache.kv[:, :, cache.length :] = 0
+        copy = cache.kv.clone()
+        together = cuda_graph.step(run, torch.tensor(drafts + [0] * 4, device=DEVICE),
+                                   torch.tensor(positions + [0] * 4, device=DEVICE), (cache.kv,) * 4, KERNELS)[:4]
+        alone = torch.cat([cuda_graph.step(run, torch.tensor([t], device=DEVICE), torch.tensor([p], device=DEVICE),
+                                           (copy,), KERNELS) for t, p in zip(drafts, positions)])
+    same_bits_on_gpu(together, alone, torch.float32)
+    same_bits_on_gpu(cache.kv, copy, torch.float32)

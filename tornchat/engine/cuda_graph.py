@@ -1,4 +1,5 @@
-"""Decode steps on CUDA, captured as CUDA graphs and replayed: one row, or one row of each of several generations.
+"""Decode steps on CUDA, captured as CUDA graphs and replayed: one row, the rows of a verify, or one row of each of
+several generations.
 
 At batch 1 a decode step reads every weight once, so its limit is memory
 bandwidth; but an eager step launches tens of kernels per layer, each
@@ -7,16 +8,19 @@ GPU waits on those launches. A captured step replays them with one launch,
 and its small operations are Triton kernels of our own (``step_ops``), so
 that a layer is ten kernels rather than ~38 back to back.
 
-A generation's rows run one per step, also a verify's (its drafts' rows in
-turn), so its reply is the same bits with speculation or without. Rows of
-several generations decoding together share one step, which reads every
-weight once for all of them: its matrix products run on 2, 4 or 8 rows
-(padding the rest), and each row's attention is a call of its own over its
-own cache. cuBLAS and tinygemm compute a row of a many-row product with
-other kernels than a lone row's, so such a row need not get the bits it
-gets alone (``--parallel 1`` keeps every reply as alone). Padding every
-step to 8 rows would keep those bits, but cost a lone stream 4-7% in bf16
-and 25-42% in int4 on an H100 (docs/performance.md).
+Several rows share one step, which reads every weight once for all of
+them: a verify's (a generation's next token and its drafts), and those of
+generations decoding together. Its matrix products run on 2, 4 or 8 rows
+(padding the rest); each cache's rows go through RoPE and attention in one
+call of their own. With plain (bf16, fp16, fp32) weights every op of the
+step computes a row by itself (``step_ops``: our product kernel, not
+cuBLAS), so a row gets the same bits in any step: a verify gives what its
+rows' steps would, and a generation decoding beside others what it gets
+alone. tinygemm's int4 products compute a row of a many-row product with
+other kernels than a lone row's: there a verify runs its rows one step
+each, so that the reply is the same with speculation or without, and rows
+of several generations need not get the bits they get alone
+(``--parallel 1`` keeps every reply as alone).
 
 A graph records addresses, so whatever a step reads or writes stays put:
 the tokens and positions are device tensors, filled before each replay;
@@ -49,35 +53,43 @@ def step(runner, tokens: torch.Tensor, positions: torch.Tensor, kvs: tuple[torch
     positions int64 [M] device tensors; kvs the caches [layers, 2, capacity, kv_heads, head_dim] of the first
     len(kvs) rows. Row r's key and value are written at positions[r] of kvs[r], and it attends over kvs[r] up
     to there; every row's key is written before any row attends, so rows of one cache see the ones before
-    them. The rows past len(kvs) are padding: they go through the matrices (the products run on all M rows,
-    so a step of M rows uses the same kernels whatever it holds) and nothing else. ``ops``: the small
-    operations' implementations (default: ``step_ops.ops_for`` the tokens' device). Returns fp32 logits [M, V]."""
+    them. Consecutive rows of one cache go through RoPE and attention in one call. The rows past len(kvs) are
+    padding: they go through the matrices (the products run on all M rows, so a step of M rows uses the same
+    kernels whatever it holds) and nothing else. ``ops``: the small operations' implementations (default:
+    ``step_ops.ops_for`` the tokens' device). Returns fp32 logits [M, V]."""
     ops = ops or step_ops.ops_for(tokens)
     heads, kv_heads, eps = runner.heads, runner.kv_heads, runner.eps
     rows, used = tokens.shape[0], len(kvs)
+    runs = _runs(kvs)
     x = quant.dequantize(runner.weights.embed, runner.dtype, tokens)
     delta = None  # what the previous block adds to the residual stream x, added in the next norm's kernel
     for i, layer in enumerate(runner.layers):
         x, h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, quant.input_dtype(layer.wqkv))
-        qkv = quant.linear(h, layer.wqkv)
-        queries = [ops.rope_store(qkv[r : r + 1], layer.bqkv, runner.rope, positions[r : r + 1], *kv[i].unbind(),
-                                  heads, kv_heads, layer.qk_norm, eps) for r, kv in enumerate(kvs)]
-        attended = [ops.attend(q, *kv[i].unbind(), positions[r : r + 1], runner.scale)
-                    for r, (q, kv) in enumerate(zip(queries, kvs))]
+        qkv = ops.linear(h, layer.wqkv)
+        queries = [ops.rope_store(qkv[start:end], layer.bqkv, runner.rope, positions[start:end], *kvs[start][i].unbind(),
+                                  heads, kv_heads, layer.qk_norm, eps) for start, end in runs]
+        attended = [ops.attend(q, *kvs[start][i].unbind(), positions[start:end], runner.scale)
+                    for q, (start, end) in zip(queries, runs)]
         if used < rows:
             attended.append(attended[0].new_zeros(rows - used, attended[0].shape[1]))
-        delta = quant.linear(torch.cat(attended) if len(attended) > 1 else attended[0], layer.wo)
+        delta = ops.linear(torch.cat(attended) if len(attended) > 1 else attended[0], layer.wo)
         x, h = ops.add_rms_norm(x, delta, layer.ffn_norm, eps, quant.input_dtype(layer.w13))
-        delta = quant.linear(ops.silu_mul(quant.linear(h, layer.w13)), layer.w2)
+        delta = ops.linear(ops.silu_mul(ops.linear(h, layer.w13)), layer.w2)
     _, h = ops.add_rms_norm(x, delta, runner.final_norm, eps, quant.input_dtype(runner.head))
-    return quant.linear(h, runner.head).float()
+    return ops.linear(h, runner.head).float()
+
+
+def _runs(kvs: tuple[torch.Tensor, ...]) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive rows of one cache."""
+    starts = [r for r in range(len(kvs)) if r == 0 or kvs[r] is not kvs[r - 1]]
+    return list(zip(starts, starts[1:] + [len(kvs)]))
 
 
 @dataclass
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
     kvs: tuple[weakref.ref, ...]  # the cache tensors the graph reads and writes
-    logits: torch.Tensor  # where each replay leaves its logits
+    output: torch.Tensor  # where each replay leaves its result
 
 
 class GraphedSteps:
@@ -105,6 +117,8 @@ class GraphedSteps:
 
     def __init__(self, runner, step_fn=step, rows: int = STEP_ROWS):
         self.runner, self.step_fn = runner, step_fn  # step_fn: ``step``, or ``step`` compiled (bench/gpu.py)
+        # Whether a row's bits do not depend on the rows beside it, so a verify can run in one step.
+        self.rows_apart = step_fn is step and step_ops.ops_for(runner.final_norm).rows_apart(runner)
         self.sizes = [1 << i for i in range(rows.bit_length()) if 1 << i <= rows]  # rows a step's products run on
         self.inputs = {size: (torch.zeros(size, dtype=torch.int64, device=runner.device),
                               torch.zeros(size, dtype=torch.int64, device=runner.device)) for size in self.sizes}
@@ -114,9 +128,11 @@ class GraphedSteps:
         self.captures = 0
 
     def __call__(self, rows: list[Row]) -> torch.Tensor:
-        """fp32 logits [len(rows), V], each row's key and value written into its cache: the rows of one cache
-        one step each, those of several caches up to ``STEP_ROWS`` a step."""
-        most = 1 if len({kv.data_ptr() for _, kv, _ in rows}) == 1 else self.sizes[-1]
+        """fp32 logits [len(rows), V], each row's key and value written into its cache: up to ``STEP_ROWS`` a
+        step, except a verify's rows (of one cache) where a row's bits depend on the rows beside it: one a
+        step."""
+        alone = not self.rows_apart and len({kv.data_ptr() for _, kv, _ in rows}) == 1
+        most = 1 if alone else self.sizes[-1]
         return torch.cat([self._step(rows[at : at + most]) for at in range(0, len(rows), most)])
 
     def _step(self, rows: list[Row]) -> torch.Tensor:
@@ -136,25 +152,25 @@ class GraphedSteps:
                 self.seen[key] += 1
                 with torch.inference_mode():
                     return self.step_fn(self.runner, tokens, positions, kvs)[: len(rows)]
-            captured = self._capture(tokens, positions, kvs, key)
+            captured = self._capture(key, kvs, lambda: self.step_fn(self.runner, tokens, positions, kvs))
         captured.graph.replay()
-        return captured.logits[: len(rows)].clone()  # the next replay overwrites the buffer
+        return captured.output[: len(rows)].clone()  # the next replay overwrites the buffer
 
-    def _capture(self, tokens: torch.Tensor, positions: torch.Tensor, kvs: tuple[torch.Tensor, ...],
-                 key: tuple[int, ...]) -> _Captured:
+    def _capture(self, key: tuple, kvs: tuple[torch.Tensor, ...], run) -> _Captured:
+        """A graph of ``run()`` (which returns the graph's output), warmed by one run outside the capture: a
+        step's warm-up writes the very keys and values its replay will."""
         if len(self.captured) >= GRAPH_LIMIT or any(ref() is None for c in self.captured.values() for ref in c.kvs):
             self.captured.clear()  # all together (see the class docstring)
             self.seen.clear()
         device = kvs[0].device
-        # The warm-up run writes the very keys and values the replay will: it changes nothing.
         self.stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self.stream), torch.inference_mode():
-            self.step_fn(self.runner, tokens, positions, kvs)
+            run()
         torch.cuda.current_stream(device).wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=self.stream), torch.inference_mode():
-            logits = self.step_fn(self.runner, tokens, positions, kvs)
-        captured = _Captured(graph, tuple(weakref.ref(kv) for kv in kvs), logits)
+            output = run()
+        captured = _Captured(graph, tuple(weakref.ref(kv) for kv in kvs), output)
         self.captured[key] = captured
         self.captures += 1
         return captured

@@ -491,8 +491,8 @@ class LlamaRunner:
     @torch.inference_mode()
     def verify(self, token_ids: list[int], cache: KVCache) -> torch.Tensor:
         """fp32 logits [n, V] after each of token_ids appended to cache: bit for bit what n one-token decode
-        steps give (the C++ forward's rows do not interact; elsewhere, CUDA graphs included, the steps
-        themselves)."""
+        steps give (the C++ forward's rows do not interact, nor do a captured CUDA step's with plain weights;
+        elsewhere the steps themselves: ``cuda_graph.GraphedSteps``)."""
         if self.graphs is not None:
             return self._replay([(token_ids, cache)])[0]
         if self.step is None:
@@ -528,7 +528,7 @@ class LlamaRunner:
         chunk's). Each sequence gets bit for bit what ``verify`` / ``forward`` give it alone: the C++ forward
         computes every row by itself (rows of one sequence meet only in its own attention). On CUDA the
         sequences' steps and verifies share captured steps (``cuda_graph.GraphedSteps``), whose many-row
-        products may give a row other bits than alone, and prefill chunks run eagerly. Without either, those
+        products with int4 weights may give a row other bits than alone, and prefill chunks run eagerly. Without either, those
         calls one after another (``one_by_one``)."""
         if self.graphs is not None:
             replayed = iter(self._replay([(ids, cache) for ids, cache, every in batch if every]))
