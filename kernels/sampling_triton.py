@@ -354,6 +354,14 @@ def _launch(logits, temperature, top_k, top_p, seed, step, draws, block):
     return ids, logprobs
 
 
+def sample_at(logits, temperature, top_k, top_p, seed, step: torch.Tensor) -> torch.Tensor:
+    """``sample``'s ids [B] with the step read from the device tensor ``step`` (int32 [1]) and the per-row
+    parameters as given (float32, int64, float32, int64 tensors on the logits' device): every value read from
+    memory, so the launches can be captured in a graph of the caller's and replayed at later steps."""
+    ids, _ = _launch(logits, temperature, top_k, top_p, seed, step, 1, None)
+    return ids[:, 0]
+
+
 @dataclass
 class _Graph:
     graph: "torch.cuda.CUDAGraph"

@@ -274,3 +274,30 @@ def test_a_quantized_gguf_on_the_gpu_computes_what_it_does_on_the_cpu(tmp_path, 
     gpu.forward(ids[:-1], cache)
     torch.testing.assert_close(gpu.forward(ids[-1:], cache, decode=True).cpu(), cpu_logits[-1], atol=2e-3, rtol=1e-3)
 
+
+def test_a_step_that_chooses_its_token_gives_the_replies_the_host_chooses(gpu_model, gpu_tokenizer, monkeypatch):
+    """A lone generation's token chosen inside the captured step (greedy, seeded, a stop string checked on the
+    device) against the same requests with every token chosen on the host from the step's logits: the same
+    tokens, text and finish; and those steps were the chosen ones."""
+    run = runner(gpu_model)
+    stops = prompt.stop_token_ids(gpu_tokenizer, None)
+    requests = [dict(sampling=GREEDY, max_tokens=24),
+                dict(sampling=SamplingParams(temperature=0.9, top_k=50, top_p=0.9, seed=5), max_tokens=24),
+                dict(sampling=SamplingParams(temperature=0.9, seed=3), max_tokens=40, stop=("e", "an"))]
+    replies = {}
+    for on_device in (True, False):
+        if not on_device:
+            monkeypatch.setattr(llama.LlamaRunner, "chooses_on_device", property(lambda self: False))
+        engine = Engine(run, gpu_tokenizer, stops, SlotPool(run, 4, 1 << 30), max_queue=4)
+        try:
+            replies[on_device] = []
+            for i, fields in enumerate(requests):
+                events = list(engine.generate(GenerationRequest(list(range(2000 + 50 * i, 2030 + 50 * i)), **fields)))
+                replies[on_device].append(([t for e in events for t in e.token_ids], "".join(e.text for e in events),
+                                           events[-1].finish_reason))
+        finally:
+            engine.close()
+        if on_device:
+            assert any(key[0] == "chosen" for key in run.graphs.captured)
+    assert replies[True] == replies[False]
+    assert replies[True][2][2] == "stop" and len(replies[True][0][0]) == 24

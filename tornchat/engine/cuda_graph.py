@@ -1,5 +1,5 @@
 """Decode steps on CUDA, captured as CUDA graphs and replayed: one row, the rows of a verify, or one row of each of
-several generations.
+several generations; and a lone row's step that chooses its token too.
 
 At batch 1 a decode step reads every weight once, so its limit is memory
 bandwidth; but an eager step launches tens of kernels per layer, each
@@ -22,6 +22,12 @@ each, so that the reply is the same with speculation or without, and rows
 of several generations need not get the bits they get alone
 (``--parallel 1`` keeps every reply as alone).
 
+A lone generation whose token needs nothing from the host gets a step that
+also chooses the token and checks for a stop (``GraphedSteps.choose``,
+``kernels/step_choice.py``): the token, its position and the reply's index
+are written into the step's own inputs on the device, so the host reads
+two numbers a step and copies nothing in while the same reply goes on.
+
 A graph records addresses, so whatever a step reads or writes stays put:
 the tokens and positions are device tensors, filled before each replay;
 the KV caches are the rows' own tensors (one graph per combination of
@@ -32,6 +38,7 @@ stops there (its PyTorch reference, ``step_ops.attend_ref``, runs over the
 whole capacity with the later positions masked), so the graph does not
 depend on the length.
 """
+import dataclasses
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -39,6 +46,9 @@ from dataclasses import dataclass
 import torch
 
 from tornchat.engine import quant, step_ops
+from tornchat.engine.choose import Chosen, OnDevice
+from tornchat.kernels import step_choice, stopcheck
+from tornchat.kernels.dispatch import triton_module
 
 STEP_ROWS = 8  # the most generations' rows one step takes; a step's products run on 1, 2, 4 or 8 rows
 GRAPH_LIMIT = 32  # captured combinations of caches kept; past it all are dropped (see GraphedSteps) and captured anew
@@ -89,7 +99,7 @@ def _runs(kvs: tuple[torch.Tensor, ...]) -> list[tuple[int, int]]:
 class _Captured:
     graph: "torch.cuda.CUDAGraph"
     kvs: tuple[weakref.ref, ...]  # the cache tensors the graph reads and writes
-    output: torch.Tensor  # where each replay leaves its result
+    output: torch.Tensor  # where each replay leaves its result: the logits, or a chosen step's (token, finished)
 
 
 class GraphedSteps:
@@ -126,6 +136,8 @@ class GraphedSteps:
         self.captured: dict[tuple[int, ...], _Captured] = {}  # by the step's size and its caches' addresses
         self.seen: Counter = Counter()  # mixes of generations run eagerly so far
         self.captures = 0
+        self.choice_buffers: _ChoiceBuffers | None = None  # a chosen step's (``choose``), made at its first
+        self.loaded: tuple[OnDevice, int] | None = None  # the reply and length a chosen step's buffers are set for
 
     def __call__(self, rows: list[Row]) -> torch.Tensor:
         """fp32 logits [len(rows), V], each row's key and value written into its cache: up to ``STEP_ROWS`` a
@@ -136,6 +148,7 @@ class GraphedSteps:
         return torch.cat([self._step(rows[at : at + most]) for at in range(0, len(rows), most)])
 
     def _step(self, rows: list[Row]) -> torch.Tensor:
+        self.loaded = None  # the inputs are refilled below: a chosen step sets them again
         size = next(size for size in self.sizes if size >= len(rows))
         tokens, positions = self.inputs[size]
         for r, (token, _, position) in enumerate(rows):  # on the stream, no host sync
@@ -173,4 +186,83 @@ class GraphedSteps:
         captured = _Captured(graph, tuple(weakref.ref(kv) for kv in kvs), output)
         self.captured[key] = captured
         self.captures += 1
+        self.loaded = None  # the warm-up run moved what a chosen step advances
         return captured
+
+    def choose(self, token: int, kv: torch.Tensor, position: int, choice: OnDevice) -> Chosen:
+        """A one-row step (``token`` at ``position`` of the cache ``kv``) that also chooses the next token, by
+        ``choice``'s sampler, and checks whether it ends the reply (``kernels/step_choice.py``), in the same
+        graph: one replay and one read of two numbers. Its buffers (the token and position it feeds, the reply's
+        index and last ids) advance on the device, so the next replay of the same reply needs no copy in."""
+        buffers = self._choice_buffers(choice.table)
+        key = ("chosen", choice.greedy, kv.data_ptr())
+        captured = self.captured.get(key)
+        if captured is None or captured.kvs[0]() is not kv:
+            captured = None
+            tokens, positions = self.inputs[1]
+            self._load(token, position, choice, buffers)  # so the warm-up run writes this row's own key and value
+            captured = self._capture(key, (kv,), lambda: self._chosen_step(tokens, positions, kv, choice.greedy, buffers))
+        if self.loaded != (choice, len(choice.output_ids)):
+            self._load(token, position, choice, buffers)
+        captured.graph.replay()
+        token, finished = buffers.out[0].tolist()
+        self.loaded = (choice, len(choice.output_ids) + 1)  # where the replay left them: the chooser appends token
+        return Chosen(token, bool(finished))
+
+    def _chosen_step(self, tokens, positions, kv, greedy: bool, buffers: "_ChoiceBuffers") -> torch.Tensor:
+        logits = self.step_fn(self.runner, tokens, positions, (kv,))
+        if greedy:
+            ids = step_choice.greedy(logits)
+        else:
+            ids = triton_module("sampling_triton").sample_at(logits, buffers.temperature, buffers.top_k, buffers.top_p,
+                                                            buffers.seed, buffers.index)
+        step_choice.advance(ids, tokens, positions, buffers.index, buffers.window, buffers.table, buffers.out)
+        return buffers.out
+
+    def _choice_buffers(self, table: stopcheck.StopTable) -> "_ChoiceBuffers":
+        if self.choice_buffers is None or self.choice_buffers.table.final.shape != table.final.shape:
+            self.captured = {key: c for key, c in self.captured.items() if key[0] != "chosen"}
+            self.choice_buffers = _ChoiceBuffers.like(table, self.runner.device)
+        return self.choice_buffers
+
+    def _load(self, token: int, position: int, choice: OnDevice, buffers: "_ChoiceBuffers") -> None:
+        """The buffers set for ``choice``'s reply at this step (a first step, or after other steps ran)."""
+        tokens, positions = self.inputs[1]
+        tokens[0].fill_(token)
+        positions[0].fill_(position)
+        recent = choice.output_ids[-step_choice.WINDOW :]
+        window = [-1] * (step_choice.WINDOW - len(recent)) + recent
+        buffers.window.copy_(torch.tensor([window], dtype=torch.int64))
+        buffers.index.fill_(len(choice.output_ids))
+        for buffer, value in ((buffers.temperature, choice.temperature), (buffers.top_k, choice.top_k),
+                              (buffers.top_p, choice.top_p), (buffers.seed, choice.seed)):
+            buffer.copy_(value)
+        for buffer, value in ((buffers.table.final, choice.table.final), (buffers.table.cont, choice.table.cont),
+                              (buffers.table.done, choice.table.done), (buffers.table.length, choice.table.length)):
+            buffer.copy_(value)
+
+
+@dataclass
+class _ChoiceBuffers:
+    """What a chosen step reads besides the step's own inputs, at fixed addresses: the sampler's parameters (in
+    the dtypes its kernels read), the reply's token index (the sampler's key), its last ids and the stop table
+    (``kernels/step_choice.py``), and where the replay leaves (token, finished)."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    index: torch.Tensor
+    window: torch.Tensor
+    table: stopcheck.StopTable
+    out: torch.Tensor
+
+    @classmethod
+    def like(cls, table: stopcheck.StopTable, device) -> "_ChoiceBuffers":
+        def new(dtype, *shape):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        fixed = dataclasses.replace(table, final=torch.zeros_like(table.final), cont=torch.zeros_like(table.cont),
+                                    done=torch.zeros_like(table.done), length=torch.zeros_like(table.length))
+        return cls(new(torch.float32, 1), new(torch.int64, 1), new(torch.float32, 1), new(torch.int64, 1),
+                   new(torch.int32, 1), new(torch.int64, 1, step_choice.WINDOW), fixed, new(torch.int64, 1, 2))

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tornchat.engine import speculate
-from tornchat.engine.choose import Chooser
+from tornchat.engine.choose import Chooser, Chosen, OnDevice
 from tornchat.engine.model import PREFILL_CHUNK, Runner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.textstream import Outbox
@@ -29,11 +29,14 @@ from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, Usage
 
 class Forward(NamedTuple):
     """A forward a generation asks for: token_ids appended to cache; ``every``: the logits of every row
-    [n, V] (a verify's, a step's), else of the last row [1, V] (a prefill chunk's)."""
+    [n, V] (a verify's, a step's), else of the last row [1, V] (a prefill chunk's). ``choice``: a one-token
+    step whose next token the runner may choose itself (``Runner.choose_step``): then the generation is sent
+    [``choose.Chosen``] instead of the logits."""
 
     token_ids: list[int]
     cache: Any
     every: bool
+    choice: OnDevice | None = None
 
 
 def token_budget(request: GenerationRequest, context_length: int) -> int:
@@ -93,6 +96,7 @@ def generate(
             counters["prefill_tokens"] += len(chunk)
 
         chooser = Chooser(request, prompt, logits.shape[-1], logits.device, tokenizer)
+        on_device = chooser.on_device(tokenizer, request.stop, stop_token_ids) if runner.chooses_on_device else None
         thinking = chooser.thinking
         outbox = Outbox(tokenizer, request.keep_special, request.stop, emit, thinking.observe if thinking else None)
         drafter = speculate.Drafter(speculation, prompt, request.prediction_ids) if speculation else None
@@ -104,7 +108,8 @@ def generate(
         if cancelled():
             return
         for step in range(budget):
-            token, distribution = chooser.choose(rows.pop(0), step)
+            row = rows.pop(0)
+            token, distribution = chooser.choose(row, step)
             if drafts and token == drafts[0]:
                 drafts.pop(0)  # the next row was computed after this very token
                 kept += 1
@@ -115,7 +120,7 @@ def generate(
                 break
             grammar_done, logprob = chooser.accept(token, distribution)
             hit_stop_string = outbox.push(token, logprob)
-            if hit_stop_string or grammar_done:
+            if hit_stop_string or grammar_done or isinstance(row, Chosen) and row.finished:
                 finish_reason = "stop"
                 break
             if drafter is not None:
@@ -133,7 +138,7 @@ def generate(
                 if cancelled():
                     return
                 drafts = drafter.propose(budget - step - 2) if drafter is not None else []
-                rows = list((yield Forward([token, *drafts], slot.cache, True)))
+                rows = list((yield Forward([token, *drafts], slot.cache, True, None if drafts else on_device)))
                 chooser.prepare()
                 slot.tokens += [token, *drafts]
                 fed = len(drafts)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tornchat.engine import blocks, cuda_graph, fused, quant
+from tornchat.engine.choose import Chosen, OnDevice
 from tornchat.engine.model import one_by_one
 
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "gemma3_text")
@@ -487,6 +488,19 @@ class LlamaRunner:
         if decode and self.graphs is not None and len(token_ids) == 1:
             return self._replay([(token_ids, cache)])[0][0]
         return self._logits(self._hidden(token_ids, cache)[-1:])[0]
+
+    @property
+    def chooses_on_device(self) -> bool:
+        return self.graphs is not None
+
+    @torch.inference_mode()
+    def choose_step(self, token: int, cache: KVCache, choice: OnDevice) -> Chosen:
+        """``token`` appended to cache in a captured step that also chooses the next token
+        (``cuda_graph.GraphedSteps.choose``)."""
+        self.reserve(cache, cache.length + 1)
+        chosen = self.graphs.choose(token, cache.kv, cache.length, choice)
+        cache.length += 1
+        return chosen
 
     @torch.inference_mode()
     def verify(self, token_ids: list[int], cache: KVCache) -> torch.Tensor:

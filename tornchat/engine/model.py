@@ -14,6 +14,7 @@ PREFILL_CHUNK = 512  # bounds attention memory; cancellation is checked between 
 class Runner(Protocol):
     device: torch.device
     context_length: int
+    chooses_on_device: bool  # whether ``choose_step`` runs (a captured CUDA step)
 
     def new_cache(self) -> Any: ...
 
@@ -39,6 +40,11 @@ class Runner(Protocol):
         """Several sequences, each (token_ids, cache, every) with its own cache: fp32 logits [n, V] of every row
         where ``every`` (``verify``'s), else [1, V] of the last (``forward``'s), each what that call alone gives.
         The scheduler batches parallel generations through it; ``one_by_one`` is the plain version."""
+
+    def choose_step(self, token: int, cache: Any, choice) -> tuple[int, bool]:
+        """Append token to cache and choose the next token in the same step, on the device, as ``choice``
+        (``choose.OnDevice``) says: ``choose.Chosen(token, finished)``, the token the chooser would take from
+        ``forward``'s logits, and whether it ends the reply. Only where ``chooses_on_device``."""
 
     def reserve(self, cache: Any, length: int) -> None:
         """Make room in cache for ``length`` positions at once (a prompt's, before its chunks), so that it is not
@@ -68,6 +74,8 @@ def one_by_one(runner: Runner, batch: list[tuple[list[int], Any, bool]]) -> list
 
 class HFRunner:
     """transformers' model with a DynamicCache."""
+
+    chooses_on_device = False
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

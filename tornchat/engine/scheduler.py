@@ -48,11 +48,16 @@ class Batch:
         self._advance(generation, finish, lambda: next(generation))
 
     def step(self) -> None:
-        """One forward over every running generation's rows; each goes on to the forward it needs next."""
+        """One forward over every running generation's rows; each goes on to the forward it needs next. A lone
+        generation's step whose token the runner can choose itself (``Forward.choice``) is chosen there."""
         running, self.running = self.running, []
         self.largest = max(self.largest, len(running))
         try:
-            results = self.runner.forward_many([tuple(r.pending) for r in running])
+            if len(running) == 1 and running[0].pending.choice is not None:
+                token_ids, cache, _, choice = running[0].pending
+                results = [[self.runner.choose_step(token_ids[0], cache, choice)]]
+            else:
+                results = self.runner.forward_many([r.pending[:3] for r in running])
         except Exception as exc:  # the model failed: every generation in the forward fails with it
             for r in running:
                 self._advance(r.generation, r.finish, lambda r=r, exc=exc: r.generation.throw(exc))
