@@ -10,7 +10,12 @@ bytes plus the KV bytes attention reads per token, times tokens/s, over
 the device-to-device copy bandwidth measured in the same run), and the
 time to the first token of a 2,000-token prompt (prefill in the engine's
 512-token chunks), and how many kernels one step launches on PyTorch's
-ops and on our kernels (``step_ops``). Then several streams' rows in shared steps against a
+ops and on our kernels (``step_ops``). For bf16: the same step with cuBLAS's
+products in place of ours; a copy-heavy reply (its own tokens as drafts)
+against plain steps; the token chosen inside the step against the host's
+choice, and the choice's microseconds; with ``--products``, each matrix
+product of 1 and 8 rows, ours against cuBLAS, and the best of 24 launches
+of ours. Then several streams' rows in shared steps against a
 step per row: one stream, 2 and 4 streams stepped together, whether the 4
 decode what they decode alone, and what a verify of r rows costs against
 one step. Then transformers' fast path on the same weights:
@@ -18,19 +23,22 @@ one step. Then transformers' fast path on the same weights:
 and our step on PyTorch's ops compiled the same way, and compiled by
 Inductor inside our captured graph: Inductor's fusion against our kernels.
 
-    python -m bench.gpu [--shapes 135m 1b 8b] [--steps 128] [--no-hf] [--no-compile]
+    python -m bench.gpu [--shapes 135m 1b 8b] [--steps 128] [--formats bf16 int4g32 int4g128] [--products]
+                        [--no-hf] [--no-compile]
 """
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from bench.common import greedy_steps_rate, write_results
-from tornchat.engine import cuda_graph, llama, speculate, step_ops
+from tornchat.engine import cuda_graph, llama, quant, speculate, step_ops
 from tornchat.engine.model import PREFILL_CHUNK
 
 SHAPES = {  # hidden, FFN, layers, heads, KV heads, vocabulary, tied embedding
@@ -153,11 +161,16 @@ def kv_bytes_per_position(runner) -> int:
     return len(runner.layers) * 2 * runner.kv_heads * runner.head_dim * torch.finfo(runner.kv_dtype).bits // 8
 
 
-def ours(shape: str, model, steps: int, bandwidth: float, compile_step: bool) -> list[dict]:
+FORMATS = {"bf16": None, "int4g32": 32, "int4g128": 128}
+
+
+def ours(shape: str, model, steps: int, bandwidth: float, compile_step: bool, formats=tuple(FORMATS),
+         products_sweep: bool = False) -> list[dict]:
     spec, weights = llama.from_transformers(model)
     prompt_ids = [int(t) for t in torch.randint(100, 40000, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(0))]
     rows = []
-    for fmt, group in (("bf16", None), ("int4", 32), ("int4", 128)):
+    for fmt in formats:
+        group = FORMATS[fmt]
         packed = weights if group is None else llama.pack(weights, "int4", group_size=group, keep=True)
         row = {"shape": shape, "weights": fmt if group is None else f"int4 g{group}"}
         for graphs in (False, True):
@@ -172,8 +185,16 @@ def ours(shape: str, model, steps: int, bandwidth: float, compile_step: bool) ->
                 row["captures"] = runner.graphs.captures
                 row["kernels_per_step"] = {"pytorch": kernels_per_step(runner, step_ops.REFERENCE),
                                            "ours": kernels_per_step(runner, step_ops.triton_ops())}
-                if group != 32:
-                    row["rows_per_step"] = rows_per_step(spec, packed, steps, prompt_ids)
+                if group is None:
+                    row["speculation"] = guarded(copy_heavy, llama.LlamaRunner(spec, packed), steps)
+                    row["choice_in_step"] = guarded(choice_in_step, llama.LlamaRunner(spec, packed), steps)
+                    if products_sweep:
+                        row["products"] = guarded(product_times, runner)
+                    row["rows_per_step"] = guarded(rows_per_step, spec, packed, steps, prompt_ids)
+                    # Last: once its runner and graphs (cuBLAS products captured) were gone, the next capture of
+                    # another runner failed on an H200 (2026-11-27, cause not established; the server holds one
+                    # runner and captures no cuBLAS product).
+                    row |= cublas_products(spec, packed, steps, bandwidth, per_token)
                 if compile_step and group != 32:
                     row["torch_compile"] = compiled_rate(runner, steps)
                     row["compiled_then_captured"] = captured_compiled_rate(spec, packed, steps)
@@ -183,6 +204,150 @@ def ours(shape: str, model, steps: int, bandwidth: float, compile_step: bool) ->
         del packed
         torch.cuda.empty_cache()
     return rows
+
+
+def cublas_products(spec, weights, steps: int, bandwidth: float, per_token: float) -> dict:
+    """The captured step with cuBLAS's products in place of our kernel (``step_ops.linear_ref``; the step before
+    it, whose rows' bits depend on the rows beside them): tokens/s, and a verify's costs on it."""
+    runner = llama.LlamaRunner(spec, weights)
+    ops = dataclasses.replace(step_ops.triton_ops(), linear=step_ops.linear_ref)
+    runner.graphs = cuda_graph.GraphedSteps(runner, functools.partial(cuda_graph.step, ops=ops))
+    rate, _ = decode_rate(runner, steps)
+    return {"graph_cublas_products": round(rate, 1), "bandwidth_fraction_cublas": round(per_token * rate / bandwidth, 3)}
+
+
+def product_times(runner) -> list[dict]:
+    """Each matrix of a layer and the head: microseconds of one product of 1 and of 8 rows by cuBLAS and by our
+    kernel (its own launch, ``linear_config``), timed as CUDA graph replays; and the best of a few other
+    launches for 1 row."""
+    from triton.testing import do_bench_cudagraph
+
+    kernels = step_ops._kernels()
+    layer = runner.layers[0]
+    out = []
+    for name, w in (("wqkv", layer.wqkv), ("wo", layer.wo), ("w13", layer.w13), ("w2", layer.w2), ("head", runner.head)):
+        n, k = w.shape
+        x = torch.randn(8, k, device="cuda", dtype=w.dtype)
+        row = {"matrix": name, "n": n, "k": k, "config": vars(kernels.linear_config(n, k))}
+        for m in (1, 8):
+            row[f"cublas_{m}"] = round(1000 * do_bench_cudagraph(lambda: quant.linear(x[:m], w), rep=10), 2)
+            row[f"ours_{m}"] = round(1000 * do_bench_cudagraph(lambda: kernels.linear_rows(x[:m], w), rep=10), 2)
+        tried = {}
+        for block_n in (16, 32, 64, 128):
+            for block_k in (128, 256, 512):
+                for stages in (3, 4):
+                    config = kernels.LinearConfig(block_n, block_k, 4, stages)
+                    try:
+                        tried[config] = do_bench_cudagraph(lambda: kernels.linear_rows(x[:1], w, config), rep=10)
+                    except Exception:  # noqa: BLE001 (too much shared memory for this tile and these stages)
+                        continue
+        best = min(tried, key=tried.get)
+        row["best_1"] = {"config": vars(best), "us": round(1000 * tried[best], 2)}
+        row["ours_gb_s_1"] = round(n * k * w.element_size() / row["ours_1"] / 1000, 1)
+        out.append(row)
+    return out
+
+
+def guarded(measure, *args):
+    """measure(*args), or why it failed: one failed measurement does not end the run."""
+    try:
+        return measure(*args)
+    except Exception as exc:  # noqa: BLE001 (a failure is a result to report)
+        traceback.print_exc()
+        return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+
+
+def choice_in_step(runner, steps: int) -> dict:
+    """The token chosen inside the captured step and checked for a stop there (``choose_step``) against the
+    step ending at its logits with the token chosen on the host as the loop does otherwise (``kernels.sample``,
+    its own graph, on a copy of the logits; then a read of the token): tokens/s of each, greedy and sampled
+    (temperature 0.8, top-k 50, top-p 0.95), whether they chose the same tokens, and the microseconds of the
+    choice and the stop check alone (one stop string, replayed from a graph)."""
+    from triton.testing import do_bench_cudagraph
+
+    from tornchat.engine.choose import OnDevice
+    from tornchat.kernels import sample, step_choice, stopcheck
+    from tornchat.kernels.dispatch import triton_module
+
+    vocab, device = runner.head.shape[0], runner.device
+    spelled = tuple(bytes([97 + i % 26, 97 + i // 26 % 26]) for i in range(vocab))  # a vocabulary of byte pairs
+    table = step_choice.padded_table(stopcheck.build_stop_table(spelled, ["\n\nUser:"], {0}, device))
+    prompt_ids = list(range(100, 100 + SHORT_PROMPT))
+    cache = runner.new_cache()
+    out = {}
+    for name, temperature in (("greedy", 0.0), ("sampled", 0.8)):
+        params = (torch.tensor([temperature], device=device), torch.tensor([50], dtype=torch.int32, device=device),
+                  torch.tensor([0.95], device=device), torch.tensor([7], dtype=torch.int64, device=device))
+
+        def on_host(count: int) -> list[int]:
+            runner.truncate(cache, 0)
+            tokens = [int(sample(runner.forward(prompt_ids, cache)[None], *params, 0)[0][0])]
+            for i in range(1, count):
+                logits = runner.forward([tokens[-1]], cache, decode=True)
+                tokens.append(int(sample(logits[None], *params, i)[0][0]))
+            return tokens
+
+        def in_step(count: int) -> list[int]:
+            runner.truncate(cache, 0)
+            tokens = [int(sample(runner.forward(prompt_ids, cache)[None], *params, 0)[0][0])]
+            choice = OnDevice(temperature == 0.0, *params, table, tokens)
+            for _ in range(1, count):
+                tokens.append(runner.choose_step(tokens[-1], cache, choice).token)
+            return tokens
+
+        for decode in (on_host, in_step):
+            decode(8)  # warm: captures
+            started = time.perf_counter()
+            tokens = decode(steps + 1)
+            out[f"{name}_{decode.__name__}_tok_s"] = round(steps / (time.perf_counter() - started), 1)
+            out[f"{name}_{decode.__name__}_tokens"] = tokens
+        out[f"{name}_same_tokens"] = out.pop(f"{name}_on_host_tokens") == out.pop(f"{name}_in_step_tokens")
+        logits = torch.randn(1, vocab, device=device)
+        index = torch.zeros(1, dtype=torch.int32, device=device)
+        window = torch.full((1, step_choice.WINDOW), -1, dtype=torch.int64, device=device)
+        tokens, positions = torch.zeros(1, dtype=torch.int64, device=device), torch.zeros(1, dtype=torch.int64, device=device)
+        result = torch.zeros(1, 2, dtype=torch.int64, device=device)
+        sampler = triton_module("sampling_triton")
+        rows = (params[0], params[1].long(), params[2], params[3])  # the dtypes the sampler's kernels read
+
+        def choose() -> None:
+            ids = step_choice.greedy(logits) if temperature == 0.0 else sampler.sample_at(logits, *rows, index)
+            step_choice.advance(ids, tokens, positions, index, window, table, result)
+
+        out[f"{name}_choice_and_stop_us"] = round(1000 * do_bench_cudagraph(choose, rep=20), 2)
+    return out
+
+
+def copy_heavy(runner, steps: int, draft: int = speculate.MAX_DRAFT) -> dict:
+    """A greedy reply decoded again with its own tokens as drafts (what ``--speculate lookup`` does with a
+    ``prediction`` that is the reply): tokens/s with verifies of ``draft`` drafts against one-token steps, each
+    reading its tokens on the host once, and whether the tokens are the same."""
+    prompt_ids = list(range(100, 100 + SHORT_PROMPT))
+    cache = runner.new_cache()  # one cache throughout, so that the warm-up's captured steps are the timed runs'
+
+    def decode(reference: list[int] | None) -> tuple[list[int], float, int]:
+        runner.truncate(cache, 0)
+        tokens = [int(runner.forward(prompt_ids, cache).argmax())]
+        forwards = 0
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        while len(tokens) < steps:
+            drafts = reference[len(tokens) : len(tokens) + draft] if reference else []
+            chosen = runner.verify([tokens[-1], *drafts], cache).argmax(-1).tolist()
+            forwards += 1
+            for i, token in enumerate(chosen):
+                tokens.append(token)
+                if i == len(drafts) or token != drafts[i]:
+                    break
+            runner.truncate(cache, cache.length - (len(drafts) - i))  # the fed token and i drafts were right
+        return tokens[:steps], time.perf_counter() - started, forwards
+
+    decode(None), decode(list(range(steps)))  # warm: captures of the verify sizes
+    plain, plain_s, _ = decode(None)
+    drafted, drafted_s, forwards = decode(plain)
+    return {"plain_tok_s": round(len(plain) / plain_s, 1), "lookup_tok_s": round(len(drafted) / drafted_s, 1),
+            "speedup": round(plain_s / drafted_s, 2), "forwards": forwards, "tokens": len(drafted),
+            "same_tokens": drafted == plain}
 
 
 def kernels_per_step(runner, ops: step_ops.StepOps) -> int | str:
@@ -302,6 +467,8 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true", help="skip transformers' compiled generate")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of our step")
     parser.add_argument("--no-ours", action="store_true", help="only transformers' compiled generate")
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--products", action="store_true", help="time each matrix product, ours against cuBLAS")
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--checkpoint-out", help="also save the first shape's random model here, a HF directory "
                         "for the server (bench/http_overhead.py --checkpoint-path), with --tokenizer's tokenizer")
@@ -316,7 +483,7 @@ def main() -> None:
     for shape in args.shapes:
         model = hf_model(shape)
         if not args.no_ours:
-            rows += ours(shape, model, args.steps, bandwidth, not args.no_compile)
+            rows += ours(shape, model, args.steps, bandwidth, not args.no_compile, args.formats, args.products)
         if not args.no_hf:
             rows.append(transformers_fast_path(shape, model, args.steps))
         del model
