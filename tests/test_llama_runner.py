@@ -84,6 +84,23 @@ def test_context_is_capped(tiny_model):
         runner.forward([4], cache)
 
 
+def test_rope_rows_are_computed_in_blocks_as_forwards_reach_them(monkeypatch):
+    """Only the blocks up to the furthest position asked for are held; a row is the same whichever range asks
+    for it, one block or across blocks; and close to cos and sin of its angles."""
+    monkeypatch.setattr(llama, "ROPE_BLOCK", 64)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, 32, 2) / 32)
+    table = llama.RopeTable(inv_freq, 0.5, 1000, torch.device("cpu"))
+    first = table.rows(10, 20).clone()
+    assert table.nbytes() == 64 * 16 * 2 * 4  # one block
+    across = table.rows(0, 150)  # three blocks, in one tensor
+    assert table.nbytes() == 3 * 64 * 16 * 2 * 4 and across.shape == (150, 16, 2) and across.is_contiguous()
+    assert torch.equal(across[10:20], first) and torch.equal(table.rows(60, 70), across[60:70])
+    assert table.whole().shape == (1000, 16, 2) and torch.equal(table.whole()[:150], across)
+    angles = torch.outer(torch.arange(1000, dtype=torch.float64), inv_freq.double())
+    torch.testing.assert_close(table.whole().double(), 0.5 * torch.stack([angles.cos(), angles.sin()], -1),
+                               atol=5e-5, rtol=0)  # fp32 angles: 900 rad is a unit in the last place of 6e-5
+
+
 FORMATS = ("none", "bf16", "int8", "int4")
 
 

@@ -71,12 +71,13 @@ def step(runner, tokens: torch.Tensor, positions: torch.Tensor, kvs: tuple[torch
     heads, kv_heads, eps = runner.heads, runner.kv_heads, runner.eps
     rows, used = tokens.shape[0], len(kvs)
     runs = _runs(kvs)
+    rope = runner.rope.whole()
     x = quant.dequantize(runner.weights.embed, runner.dtype, tokens)
     delta = None  # what the previous block adds to the residual stream x, added in the next norm's kernel
     for i, layer in enumerate(runner.layers):
         x, h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, quant.input_dtype(layer.wqkv))
         qkv = ops.linear(h, layer.wqkv)
-        queries = [ops.rope_store(qkv[start:end], layer.bqkv, runner.rope, positions[start:end], *kvs[start][i].unbind(),
+        queries = [ops.rope_store(qkv[start:end], layer.bqkv, rope, positions[start:end], *kvs[start][i].unbind(),
                                   heads, kv_heads, layer.qk_norm, eps) for start, end in runs]
         attended = [ops.attend(q, *kvs[start][i].unbind(), positions[start:end], runner.scale)
                     for q, (start, end) in zip(queries, runs)]

@@ -316,6 +316,43 @@ def weights_label(weights: LlamaWeights) -> str:
     return ", ".join(f"{k} x {v}" for k, v in counts.most_common()) + f"; head {'+'.join(names(weights.head))}"
 
 
+ROPE_BLOCK = 4096  # positions of the RoPE table computed at a time on a CPU
+
+
+class RopeTable:
+    """Each position's rotation, cos and sin of its angles times the magnitude [positions, head_dim / 2, 2] fp32,
+    computed in blocks of ROPE_BLOCK positions as forwards reach them (on a CPU; on a GPU, whole at once: the
+    captured step reads it at the row's position on the device). A whole context's table would hold memory
+    that short conversations never use: Gemma 3 1B's two of them took 64 MiB. A row is computed once, in the
+    block it belongs to, so its values do not depend on which forward first asked for it."""
+
+    def __init__(self, inv_freq: torch.Tensor, magnitude: float, context: int, device: torch.device):
+        self.inv_freq, self.magnitude, self.context = inv_freq.to(device).float(), magnitude, context
+        self.block = context if device.type == "cuda" else ROPE_BLOCK
+        self.blocks: list[torch.Tensor] = []
+
+    def rows(self, start: int, end: int) -> torch.Tensor:
+        """The table's rows start..end-1."""
+        while len(self.blocks) * self.block < min(end, self.context):
+            first = len(self.blocks) * self.block
+            positions = torch.arange(first, min(first + self.block, self.context), dtype=torch.float32,
+                                     device=self.inv_freq.device)
+            angles = torch.outer(positions, self.inv_freq)
+            self.blocks.append(torch.view_as_real(torch.polar(torch.full_like(angles, self.magnitude), angles)))
+        first, last = start // self.block, (end - 1) // self.block
+        if first == last:
+            return self.blocks[first][start - first * self.block : end - first * self.block]
+        return torch.cat([self.blocks[first][start - first * self.block :], *self.blocks[first + 1 : last],
+                          self.blocks[last][: end - last * self.block]])
+
+    def whole(self) -> torch.Tensor:
+        """Every position's row, in one tensor (the CUDA step's)."""
+        return self.rows(0, self.context)
+
+    def nbytes(self) -> int:
+        return sum(block.numel() * block.element_size() for block in self.blocks)
+
+
 class LlamaRunner:
     """Implements ``model.Runner`` over one copy of the weights (``LlamaWeights``).
 
@@ -345,9 +382,10 @@ class LlamaRunner:
         self.eps, self.hidden = config.eps, config.hidden
         self.windows = config.windows or (0,) * len(self.layers)
 
-        self.rope = self._rope_table(config.inv_freq, config.rope_magnitude)  # [context, head_dim / 2, (cos, sin)]
+        self.rope = RopeTable(config.inv_freq, config.rope_magnitude, self.context_length, self.device)
         # Gemma 3: the windowed layers' table (RoPE base 10000, no scaling)
-        self.local_rope = None if config.local_inv_freq is None else self._rope_table(config.local_inv_freq, 1.0)
+        self.local_rope = (None if config.local_inv_freq is None
+                           else RopeTable(config.local_inv_freq, 1.0, self.context_length, self.device))
         self.ops = fused.ops_for(self.device, self.dtype)
         on_cpu = self.device.type == "cpu"
         self.kv_dtype = kv_dtype or (torch.bfloat16 if on_cpu else self.dtype)
@@ -368,10 +406,6 @@ class LlamaRunner:
         self.windowed_layers = [i for i, w in enumerate(self.windows) if w]
         self.other_layers = [i for i, w in enumerate(self.windows) if not w]
 
-    def _rope_table(self, inv_freq: torch.Tensor, magnitude: float) -> torch.Tensor:
-        positions = torch.arange(self.context_length, dtype=torch.float32, device=self.device)
-        angles = torch.outer(positions, inv_freq.to(self.device))
-        return torch.view_as_real(torch.polar(torch.full_like(angles, magnitude), angles)).contiguous()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings in the model's dtype, scaled there (Gemma), as transformers scales them."""
@@ -586,7 +620,7 @@ class LlamaRunner:
             self._reserve_windowed(cache, start + n)
         ids = torch.tensor([t for token_ids, _ in batch for t in token_ids], device=self.device)
         x = self._embed(ids)
-        freqs, local = ([None if table is None else torch.cat([table[start : start + n] for start, n in zip(starts, counts)])
+        freqs, local = ([None if table is None else torch.cat([table.rows(start, start + n) for start, n in zip(starts, counts)])
                          for table in (self.rope, self.local_rope)])
         apart = [cache for _, cache in batch if cache.windowed is not None]  # all of them or none
         x = self.step.forward(x, [cache.kv for _, cache in batch], freqs, starts, counts, local,  # _layers in one C++ call
@@ -605,7 +639,7 @@ class LlamaRunner:
                  for window in set(self.windows)}
         for i, layer in enumerate(self.layers):
             window = self.windows[i]
-            freqs = (self.local_rope if window and self.local_rope is not None else self.rope)[start:end]
+            freqs = (self.local_rope if window and self.local_rope is not None else self.rope).rows(start, end)
             if exact:
                 layer = layer.packed(lambda w: quant.dequantize(w, torch.float32))
             h = ops.rms_norm(x, layer.attn_norm, self.eps, quant.input_dtype(layer.wqkv) == torch.bfloat16)
