@@ -15,6 +15,7 @@ from llguidance import LLMatcher
 
 from tornchat import checkpoint, functions, prompt
 from tornchat.engine import GenerationRequest, SamplingParams
+from tornchat.engine import grammar as grammar_module
 from tornchat.engine.grammar import (ANY_TEXT, Compiler, Grammar, GrammarError, json_value, literal, schema_error,
                                      token_pieces, vocabulary)
 from tornchat.functions import Choice, Format
@@ -56,6 +57,16 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 @pytest.fixture(scope="module")
 def compiler(tokenizer):
     return Compiler(tokenizer)
+
+
+def test_the_vocabulary_is_built_at_the_first_grammar_and_once(tokenizer, monkeypatch):
+    built = []
+    monkeypatch.setattr(grammar_module, "vocabulary", lambda t: built.append(t) or vocabulary(t))
+    lazy = Compiler(tokenizer)
+    assert built == []  # a server whose requests ask for no grammar never holds it
+    lazy.compile('start: "yes" | "no"')
+    lazy.compile(f"start: {json_value(WEATHER['parameters'])}")
+    assert built == [tokenizer]
 
 
 @pytest.mark.parametrize("kind", ["embedded", "llama3", "sentencepiece"])

@@ -7,6 +7,7 @@ keep the text inside the grammar; the decode loop sets every other logit to
 -inf before the sampler, then hands the sampled token back. When the grammar
 is complete and allows nothing more, the generation ends.
 """
+import functools
 import json
 import re
 
@@ -89,10 +90,16 @@ def vocabulary(tokenizer) -> llguidance.LLTokenizer:
 
 
 class Compiler:
-    """Grammars for one tokenizer. llguidance's view of the vocabulary is slow to build, so it is built once."""
+    """Grammars for one tokenizer. llguidance's view of the vocabulary is slow to build, so it is built once, and
+    large (262,144 tokens: 62 MiB), so not before the first grammar: a server whose requests never ask for one
+    never holds it."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = vocabulary(tokenizer)
+        self.vocabulary_of = tokenizer
+
+    @functools.cached_property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        return vocabulary(self.vocabulary_of)
 
     def compile(self, lark: str) -> "Grammar":
         matcher = LLMatcher(self.tokenizer, LLMatcher.grammar_from_lark(lark), log_level=0)

@@ -73,7 +73,7 @@ def make_app(config: Config, engine) -> Application:
         engine=engine,
         server_stats=server_stats,
         metrics=Metrics(engine, server_stats),
-        grammars=Compiler(engine.tokenizer),  # structured outputs: built once, at start-up
+        grammars=Compiler(engine.tokenizer),  # structured outputs: its vocabulary built at the first grammar
         in_flight=set(),  # handlers with a generation submitted, for shutdown
         responses_store=responses.Store(config.responses_store),  # for previous_response_id
     )
