@@ -6,7 +6,10 @@ at scrape time from the same snapshot, so the two never disagree; only what
 the snapshot lacks (per-request timings, token counts by status) is
 recorded here as requests finish.
 """
+import gc
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.gc_collector import GCCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import choose_encoder
 
@@ -45,6 +48,7 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(SnapshotCollector(engine, server_stats))
+        GCCollector(registry=self.registry)  # python_gc_collections_total and the objects collected, by generation
 
     def observe_options(self, request: GenerationRequest) -> None:
         """Labels: each logits processor's name, counted where the request sets any of its fields away from neutral."""
@@ -85,6 +89,8 @@ class SnapshotCollector:
         yield GaugeMetricFamily("tornchat_running", "Generations decoding together (at most --parallel)", value=snap["running"])
         yield GaugeMetricFamily("tornchat_kv_slots", "KV-cache slots held (after the last generation)", value=snap["kv"]["slots"])
         yield GaugeMetricFamily("tornchat_kv_bytes", "Memory of the KV-cache slots held", value=snap["kv"]["bytes"])
+        yield GaugeMetricFamily("tornchat_gc_frozen_objects", "Objects built at start-up that collections no longer walk",
+                                value=gc.get_freeze_count())
         engine = snap["engine"]
         prompt_tokens = engine["reused_tokens"] + engine["prefill_tokens"]
         yield GaugeMetricFamily(
