@@ -199,7 +199,7 @@ class GraphedSteps:
         key = ("chosen", choice.greedy, kv.data_ptr())
         captured = self.captured.get(key)
         if captured is None or captured.kvs[0]() is not kv:
-            captured = None
+            captured = None  # as in _step: a stale graph must be gone before a capture
             tokens, positions = self.inputs[1]
             self._load(token, position, choice, buffers)  # so the warm-up run writes this row's own key and value
             captured = self._capture(key, (kv,), lambda: self._chosen_step(tokens, positions, kv, choice.greedy, buffers))
@@ -222,7 +222,9 @@ class GraphedSteps:
 
     def _choice_buffers(self, table: stopcheck.StopTable) -> "_ChoiceBuffers":
         if self.choice_buffers is None or self.choice_buffers.table.final.shape != table.final.shape:
-            self.captured = {key: c for key, c in self.captured.items() if key[0] != "chosen"}
+            if self.choice_buffers is not None:  # chosen graphs read the old ones: graphs go all together
+                self.captured.clear()
+                self.seen.clear()
             self.choice_buffers = _ChoiceBuffers.like(table, self.runner.device)
         return self.choice_buffers
 
