@@ -1,18 +1,21 @@
-"""The CUDA decode step's small operations, one kernel each (semantics and references:
-``tornchat.engine.step_ops``).
+"""The CUDA decode step's operations, one kernel each (semantics and references: ``tornchat.engine.step_ops``):
+the small ones, and the matrix products of plain weights.
 
 A row's position is read on the device, never passed as a number, so that
-one captured graph serves every step of a generation.
+one captured graph serves every step of a generation. Each kernel computes a
+row by itself, in an order that depends on nothing but the row, so that a
+row gets the same bits in a step of any rows (a verify's, or generations'
+decoding together).
 """
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
+from tornchat.kernels.dispatch import interpreting
+
 ATTEND_BLOCK = 32  # keys per iteration of attention's loop
 ATTEND_QUERIES = 16  # a KV head's query heads, padded to the smallest matrix-product tile
 # Positions a program of attention covers: fixed, so that a row's sums are split the same way whatever the
@@ -299,5 +302,5 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = 
     c = config or linear_config(n, k)
     _linear_rows_kernel[(triton.cdiv(n, c.block_n),)](
         x, w, out, rows, n, k, x.stride(0), w.stride(0), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        WIDEN=w.dtype == torch.float32 or INTERPRETING, num_warps=c.warps, num_stages=c.stages)
+        WIDEN=w.dtype == torch.float32 or interpreting(), num_warps=c.warps, num_stages=c.stages)
     return out
