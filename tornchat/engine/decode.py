@@ -96,7 +96,10 @@ def generate(
             counters["prefill_tokens"] += len(chunk)
 
         chooser = Chooser(request, prompt, logits.shape[-1], logits.device, tokenizer)
-        on_device = chooser.on_device(tokenizer, request.stop, stop_token_ids) if runner.chooses_on_device else None
+        # The device's stop table spells special tokens as nothing: where some are kept in the text, the host's
+        # matcher alone sees what the text holds.
+        on_device = (chooser.on_device(tokenizer, request.stop, stop_token_ids)
+                     if runner.chooses_on_device and not request.keep_special else None)
         thinking = chooser.thinking
         outbox = Outbox(tokenizer, request.keep_special, request.stop, emit, thinking.observe if thinking else None)
         drafter = speculate.Drafter(speculation, prompt, request.prediction_ids) if speculation else None
