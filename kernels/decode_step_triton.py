@@ -239,9 +239,11 @@ ROWS_TILE = tl.constexpr(16)  # rows a product takes: the smallest matrix-produc
 
 @triton.jit(do_not_specialize=["rows"])
 def _linear_rows_kernel(x_ptr, w_ptr, out_ptr, rows, n, k, x_stride, w_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        WIDEN: tl.constexpr):
+                        WIDEN: tl.constexpr, ROWWISE: tl.constexpr):
     """Program (block of BLOCK_N outputs): x [rows, k] times those rows of w [n, k], over k in order, in fp32.
-    ``rows`` is not specialized: one compiled kernel serves every row count, so a row's bits cannot depend on it."""
+    ``rows`` is not specialized: one compiled kernel serves every row count, so a row's bits cannot depend on it.
+    ROWWISE (the interpreter): each row's products summed by itself, as numpy sums an axis, where numpy's matrix
+    product (BLAS) may sum a row at one place of the tile otherwise than at another."""
     col = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.arange(0, ROWS_TILE)
     step = tl.arange(0, BLOCK_K)
@@ -251,7 +253,9 @@ def _linear_rows_kernel(x_ptr, w_ptr, out_ptr, rows, n, k, x_stride, w_stride, B
         xs = tl.load(x_ptr + row[:, None] * x_stride + at[None, :], mask=(row < rows)[:, None] & (at < k)[None, :],
                      other=0.0)
         ws = tl.load(w_ptr + col[:, None] * w_stride + at[None, :], mask=(col < n)[:, None] & (at < k)[None, :], other=0.0)
-        if WIDEN:  # fp32 products in fp32 (not TF32); and the interpreter's, whose numpy has no bf16
+        if ROWWISE:
+            acc += tl.sum(xs.to(tl.float32)[:, None, :] * ws.to(tl.float32)[None, :, :], axis=2)
+        elif WIDEN:  # fp32 products in fp32, not TF32
             acc = tl.dot(xs.to(tl.float32), tl.trans(ws.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(xs, tl.trans(ws), acc)
@@ -302,5 +306,5 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor, config: LinearConfig | None = 
     c = config or linear_config(n, k)
     _linear_rows_kernel[(triton.cdiv(n, c.block_n),)](
         x, w, out, rows, n, k, x.stride(0), w.stride(0), BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        WIDEN=w.dtype == torch.float32 or interpreting(), num_warps=c.warps, num_stages=c.stages)
+        WIDEN=w.dtype == torch.float32, ROWWISE=interpreting(), num_warps=c.warps, num_stages=c.stages)
     return out
