@@ -1,5 +1,6 @@
 """The decode engine: greedy parity with transformers, KV reuse, stops, limits, seeds, cancel."""
 import threading
+import time
 
 import pytest
 import torch
@@ -286,6 +287,30 @@ def test_queued_request_can_be_withdrawn_and_queue_is_bounded(tiny_model, tokeni
         assert engine.queue_depth() == 0
         assert engine.stats.counters["cancelled"] == 1
         gate.set()
+    finally:
+        engine.close()
+
+
+def test_the_time_a_request_waits_in_the_queue_is_counted_in_its_bucket(tiny_model, tokenizer):
+    """A request queued behind a worker held for 0.3 s waited at least that: it falls past the 0.25 s bucket,
+    the first one (admitted at once) in the first buckets; both in the sum."""
+    from tornchat.engine.worker import QUEUE_WAIT_BUCKETS
+
+    engine = make_engine(tiny_model, tokenizer)
+    try:
+        gate = threading.Event()
+        ids = chat_ids(tokenizer, [{"role": "user", "content": "go"}])
+        engine.submit(GenerationRequest(ids, max_tokens=2), lambda e: gate.wait(30))  # holds the worker
+        while engine.queue_depth():
+            pass
+        done = threading.Event()
+        engine.submit(GenerationRequest(ids, max_tokens=2), lambda e: e.is_last and done.set())
+        time.sleep(0.3)
+        gate.set()
+        assert done.wait(30)
+        waits = engine.stats.queue_waits
+        assert sum(waits) == 2 and engine.stats.queue_wait_sum >= 0.3
+        assert sum(waits[QUEUE_WAIT_BUCKETS.index(0.25) + 1 :]) == 1
     finally:
         engine.close()
 

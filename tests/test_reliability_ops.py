@@ -81,6 +81,9 @@ def test_metrics_count_requests_tokens_latency_and_kv_reuse(server):
     reused, prefilled = health["engine"]["reused_tokens"], health["engine"]["prefill_tokens"]
     assert reused > 0 and m[("tornchat_kv_reuse_ratio", ())] == pytest.approx(reused / (reused + prefilled))
     assert m[("tornchat_kv_slots", ())] == health["kv"]["slots"] >= 1
+    assert m[("tornchat_queue_wait_seconds_count", ())] == health["queue_wait_s"]["count"] == 3  # the 400 never queued
+    assert m[("tornchat_queue_wait_seconds_bucket", (("le", "+Inf"),))] == 3
+    assert m[("tornchat_queue_wait_seconds_sum", ())] == pytest.approx(health["queue_wait_s"]["sum"])
     # Start-up's objects were frozen before the server listened: full collections no longer walk them.
     assert m[("tornchat_gc_frozen_objects", ())] > 50_000
     assert ("python_gc_collections_total", (("generation", "2"),)) in m

@@ -5,6 +5,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -71,6 +72,7 @@ class Handle:
     request: GenerationRequest
     on_event: Callable[[Event], None]
     _cancelled: threading.Event = field(default_factory=threading.Event)
+    submitted: float = field(default_factory=time.monotonic)  # when it joined the queue
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -78,6 +80,9 @@ class Handle:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+
+QUEUE_WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # seconds
 
 
 @dataclass
@@ -101,6 +106,14 @@ class EngineStats:
     last_reused_tokens: int = 0
     kv_slots: int = 0  # slots held when the last generation ended (a cancelled one leaves them as they were)
     kv_bytes: int = 0  # their caches, together
+    # Seconds from a request's arrival in the queue to its generation's start: how many fell at or under each of
+    # QUEUE_WAIT_BUCKETS (the last count: above them all), and their sum.
+    queue_waits: list = field(default_factory=lambda: [0] * (len(QUEUE_WAIT_BUCKETS) + 1))
+    queue_wait_sum: float = 0.0
+
+    def observe_queue_wait(self, seconds: float) -> None:
+        self.queue_waits[next((i for i, le in enumerate(QUEUE_WAIT_BUCKETS) if seconds <= le), -1)] += 1
+        self.queue_wait_sum += seconds
 
 
 class Engine:
@@ -236,6 +249,7 @@ class Engine:
     def _start(self, handle: Handle) -> None:
         counters = self.stats.counters
         counters["requests"] += 1
+        self.stats.observe_queue_wait(time.monotonic() - handle.submitted)
         prefill_before, reused_before = counters["prefill_tokens"], counters["reused_tokens"]
         finished = False
 

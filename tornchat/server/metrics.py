@@ -10,11 +10,12 @@ import gc
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.gc_collector import GCCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 
 from tornchat.engine import processors
 from tornchat.engine.types import GenerationRequest, Usage
+from tornchat.engine.worker import QUEUE_WAIT_BUCKETS
 from tornchat.server import stats
 
 # Seconds. Time to first token spans prefill of long prompts on a CPU; the
@@ -89,6 +90,13 @@ class SnapshotCollector:
         yield GaugeMetricFamily("tornchat_running", "Generations decoding together (at most --parallel)", value=snap["running"])
         yield GaugeMetricFamily("tornchat_kv_slots", "KV-cache slots held (after the last generation)", value=snap["kv"]["slots"])
         yield GaugeMetricFamily("tornchat_kv_bytes", "Memory of the KV-cache slots held", value=snap["kv"]["bytes"])
+        waits = list(self.engine.stats.queue_waits)  # one reading of the worker's counts
+        cumulative = [sum(waits[: i + 1]) for i in range(len(QUEUE_WAIT_BUCKETS))]
+        yield HistogramMetricFamily(
+            "tornchat_queue_wait_seconds", "From a request's arrival in the engine's queue to its generation's start",
+            buckets=[*zip(map(str, QUEUE_WAIT_BUCKETS), cumulative), ("+Inf", sum(waits))],
+            sum_value=self.engine.stats.queue_wait_sum,
+        )
         yield GaugeMetricFamily("tornchat_gc_frozen_objects", "Objects built at start-up that collections no longer walk",
                                 value=gc.get_freeze_count())
         engine = snap["engine"]

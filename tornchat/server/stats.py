@@ -33,4 +33,5 @@ def snapshot(engine, server: ServerStats) -> dict:
         "engine": dict(engine.stats.counters),
         "server": dict(server.counters),
         "kv": {"slots": engine.stats.kv_slots, "bytes": engine.stats.kv_bytes},
+        "queue_wait_s": {"count": sum(engine.stats.queue_waits), "sum": engine.stats.queue_wait_sum},
     }
