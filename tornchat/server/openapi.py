@@ -412,6 +412,8 @@ def schemas(config: Config) -> dict:
                 "engine": {"type": "object", "additionalProperties": {"type": "integer"}},
                 "server": {"type": "object", "additionalProperties": {"type": "integer"}},
                 "kv": {"type": "object", "properties": {"slots": {"type": "integer"}, "bytes": {"type": "integer"}}},
+                "queue_wait_s": {"type": "object", "description": "requests admitted, and their seconds in the queue summed",
+                                 "properties": {"count": {"type": "integer"}, "sum": {"type": "number"}}},
             },
         },
     }
