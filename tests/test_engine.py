@@ -272,14 +272,20 @@ def test_cancel_mid_generation_stops_within_one_step(tiny_model, tokenizer):
         engine.close()
 
 
+def held_worker(engine: Engine, tokenizer) -> tuple[threading.Event, list[int]]:
+    """A first request whose first event holds the worker until the returned gate is set; and its prompt ids."""
+    gate = threading.Event()
+    ids = chat_ids(tokenizer, [{"role": "user", "content": "go"}])
+    engine.submit(GenerationRequest(ids, max_tokens=2), lambda e: gate.wait(30))
+    while engine.queue_depth():
+        pass
+    return gate, ids
+
+
 def test_queued_request_can_be_withdrawn_and_queue_is_bounded(tiny_model, tokenizer):
     engine = make_engine(tiny_model, tokenizer, max_queue=1)
     try:
-        gate = threading.Event()
-        ids = chat_ids(tokenizer, [{"role": "user", "content": "go"}])
-        engine.submit(GenerationRequest(ids, max_tokens=2), lambda e: gate.wait(30))  # occupies the worker
-        while engine.queue_depth():
-            pass
+        gate, ids = held_worker(engine, tokenizer)
         queued = engine.submit(GenerationRequest(ids, max_tokens=2), lambda e: None)
         with pytest.raises(QueueFull):
             engine.submit(GenerationRequest(ids, max_tokens=2), lambda e: None)
@@ -298,11 +304,7 @@ def test_the_time_a_request_waits_in_the_queue_is_counted_in_its_bucket(tiny_mod
 
     engine = make_engine(tiny_model, tokenizer)
     try:
-        gate = threading.Event()
-        ids = chat_ids(tokenizer, [{"role": "user", "content": "go"}])
-        engine.submit(GenerationRequest(ids, max_tokens=2), lambda e: gate.wait(30))  # holds the worker
-        while engine.queue_depth():
-            pass
+        gate, ids = held_worker(engine, tokenizer)
         done = threading.Event()
         engine.submit(GenerationRequest(ids, max_tokens=2), lambda e: e.is_last and done.set())
         time.sleep(0.3)
