@@ -35,6 +35,12 @@ def sanitize_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits.clamp(max=LOGIT_CAP)
 
 
+def is_greedy(temperature: torch.Tensor, top_k: int) -> bool:
+    """Rule 2's test for a row. temperature stays an fp32 tensor: compared in fp32, the fp32 value of 0.01 is not
+    below GREEDY_TEMPERATURE (as a Python float it would be), as in the kernel."""
+    return bool(temperature.float() < GREEDY_TEMPERATURE) or top_k == 1
+
+
 def greedy_row(row_logits: torch.Tensor) -> tuple[int, float]:
     """Rule 2 for one row [V]: the argmax of the sanitized logits (the lowest id on ties; 0 where no logit is
     finite) and its log-probability (-inf there)."""
@@ -126,10 +132,8 @@ def sample_reference(
     ids = torch.zeros(batch, dtype=torch.int64, device=logits.device)
     logprobs = torch.zeros(batch, dtype=torch.float32, device=logits.device)
     for row in range(batch):
-        # t stays an fp32 tensor: compared in fp32, the fp32 value of 0.01 is not
-        # below GREEDY_TEMPERATURE (as a Python float it would be), as in the kernel.
         t, k, p = temperature[row].float(), int(top_k[row]), float(top_p[row])
-        if bool(t < GREEDY_TEMPERATURE) or k == 1:
+        if is_greedy(t, k):
             ids[row], logprobs[row] = greedy_row(logits[row])
             continue
         row_logits = sanitize_logits(logits[row])

@@ -15,20 +15,16 @@ Every value that changes between replays of a captured graph is read from a
 tensor; the Python numbers passed (shapes, strides, block sizes) are fixed
 by the shapes captured.
 """
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from tornchat.kernels.dispatch import interpreting
 from tornchat.kernels.sampling import LOGIT_CAP
 from tornchat.kernels.stopcheck_triton import stop_hit
 
 MIN_BLOCK, MAX_BLOCK = 1024, 8192  # ids per program of greedy
 TARGET_BLOCKS = 128  # per row: enough programs to draw on most of a large GPU's bandwidth at batch 1
-
-# The interpreter pays per program, not per element: one program per row there.
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 @triton.jit
@@ -68,7 +64,7 @@ def _greedy_combine_kernel(best_ptr, at_ptr, ids_ptr, blocks, BLOCKS_P2: tl.cons
 
 def greedy_block(vocab: int) -> int:
     """Ids per program of ``greedy`` for a row of ``vocab`` logits."""
-    if INTERPRETING:
+    if interpreting():  # the interpreter pays per program, not per element: one program per row there
         return triton.next_power_of_2(vocab)
     wanted = triton.next_power_of_2(triton.cdiv(vocab, TARGET_BLOCKS))
     return min(max(wanted, MIN_BLOCK), MAX_BLOCK, triton.next_power_of_2(vocab))

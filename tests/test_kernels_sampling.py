@@ -15,6 +15,7 @@ from tornchat.kernels import sample  # noqa: E402
 from tornchat.kernels import sampling_triton as kernel  # noqa: E402
 from tornchat.kernels.sampling import (  # noqa: E402
     LOGIT_CAP,
+    is_greedy,
     nucleus_floor,
     sample_reference,
     sanitize_logits,
@@ -258,3 +259,11 @@ def test_reference_never_returns_an_out_of_range_id():
     assert ids[2] == 39 and logprobs[2] == 0.0
     capped = sanitize_logits(torch.tensor([[float("inf"), 1.0]]))
     assert capped[0, 0] == LOGIT_CAP and torch.isfinite(capped / 0.01).all()
+
+
+def test_the_greedy_rule_compares_the_temperature_in_fp32():
+    """The kernel reads temperatures as fp32: 0.009999999999 is 0.01 there, so sampled, as the reference and
+    the device's choice in a CUDA step (choose.Chooser.greedy) must agree."""
+    assert not is_greedy(torch.tensor(0.009999999999, dtype=torch.float64), 50)
+    assert 0.009999999999 < 0.01  # as Python floats it would have been greedy
+    assert is_greedy(torch.tensor(0.0), 50) and is_greedy(torch.tensor(0.8), 1) and not is_greedy(torch.tensor(0.8), 50)

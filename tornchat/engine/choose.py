@@ -24,7 +24,8 @@ import torch
 
 from tornchat.engine import logprobs, processors, thinking
 from tornchat.engine.types import GenerationRequest, TokenLogprob
-from tornchat.kernels import GREEDY_TEMPERATURE, sample, step_choice, stopcheck
+from tornchat.kernels import sample, step_choice, stopcheck
+from tornchat.kernels.sampling import is_greedy
 
 
 @dataclass(eq=False)
@@ -66,7 +67,7 @@ class Chooser:
         self.after_mask = processors.chosen(params, processors.AFTER_MASK)
         self.grammar = request.grammar
         self.thinking = thinking.Budget(request.thinking, tokenizer) if request.thinking is not None else None
-        self.greedy = params.temperature < GREEDY_TEMPERATURE or params.top_k == 1
+        self.greedy = is_greedy(torch.tensor(params.temperature, dtype=torch.float32), params.top_k)
         self.prepare()
 
     def on_device(self, tokenizer, stops: tuple[str, ...], stop_token_ids: frozenset[int]) -> OnDevice | None:

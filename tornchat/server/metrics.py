@@ -7,6 +7,7 @@ the snapshot lacks (per-request timings, token counts by status) is
 recorded here as requests finish.
 """
 import gc
+import itertools
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.gc_collector import GCCollector
@@ -91,7 +92,7 @@ class SnapshotCollector:
         yield GaugeMetricFamily("tornchat_kv_slots", "KV-cache slots held (after the last generation)", value=snap["kv"]["slots"])
         yield GaugeMetricFamily("tornchat_kv_bytes", "Memory of the KV-cache slots held", value=snap["kv"]["bytes"])
         waits = list(self.engine.stats.queue_waits)  # one reading of the worker's counts
-        cumulative = [sum(waits[: i + 1]) for i in range(len(QUEUE_WAIT_BUCKETS))]
+        cumulative = itertools.accumulate(waits[:-1])
         yield HistogramMetricFamily(
             "tornchat_queue_wait_seconds", "From a request's arrival in the engine's queue to its generation's start",
             buckets=[*zip(map(str, QUEUE_WAIT_BUCKETS), cumulative), ("+Inf", sum(waits))],
