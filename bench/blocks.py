@@ -1,7 +1,7 @@
 """Microbenchmark of the GGUF block kernels (tornchat/engine/blocks.py, csrc/blocks.cpp).
 
 For the 1B Llama's matrices (K = 2048: qkv 3072, o 2048, gate+up 16384, down 2048 x 8192, head 49152) in
-Q4_K and Q6_K, and the 135M SmolLM2's (hidden 576: qkv 960, o 576, gate+up 3072, down 576 x 1536, head
+Q4_K and Q6_K, Qwen3 4B's largest (qkv 6144, gate+up 19456 of K = 2560, down 2560 x 9728, head 151936), and the 135M SmolLM2's (hidden 576: qkv 960, o 576, gate+up 3072, down 576 x 1536, head
 49152) in Q4_1 and Q8_0, on each instruction-set path:
   decode (1 row): microseconds, GB/s of weights read, % of this machine's read bandwidth (torch sum over
     1 GiB, measured here); the weights rotate through 1 GiB of copies so that they come from memory;
@@ -24,6 +24,10 @@ SHAPES = [  # (name, N, K, types)
     ("1B gate+up", 16384, 2048, ("Q4_K", "Q6_K")),
     ("1B down", 2048, 8192, ("Q4_K", "Q6_K")),
     ("1B head", 49152, 2048, ("Q6_K",)),
+    ("4B qkv", 6144, 2560, ("Q4_K",)),  # Qwen3 4B (issue 27's decode): K = 2560 and 9728
+    ("4B gate+up", 19456, 2560, ("Q4_K",)),
+    ("4B down", 2560, 9728, ("Q4_K", "Q6_K")),
+    ("4B head", 151936, 2560, ("Q6_K",)),
     ("135M qkv", 960, 576, ("Q4_1",)),
     ("135M o", 576, 576, ("Q4_1",)),
     ("135M gate+up", 3072, 576, ("Q4_1",)),

@@ -45,7 +45,8 @@
 // where it does not pay: one row alone (a decode step) folds each column's blocks in their own order
 // (quant_group_row; not Q4_0, Q4_1, whose nibbles a few permutes put in the transposed layout: q4_pair), and
 // from PANEL_ROWS rows (a prefill chunk) the columns are unpacked once into panels of 16 that one VPDPBUSD
-// takes against a row's broadcast activations (vnni_columns). Weights are prefetched PREFETCH bytes ahead.
+// takes against a row's broadcast activations (vnni_columns). Weights are prefetched about PREFETCH bytes of a tile's
+// reading ahead, into the next tile past a row's end (ahead).
 // The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
 // 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same panels), so it too gives the
 // same bits; block_isas() lists it first where the CPU and the kernel (arch_prctl ARCH_REQ_XCOMP_PERM) allow
@@ -580,9 +581,11 @@ namespace blocks_detail {
 namespace PASS_NS {
 
 #ifndef TORNCHAT_PREFETCH
-#define TORNCHAT_PREFETCH 8192
+#define TORNCHAT_PREFETCH 32768
 #endif
-constexpr int PREFETCH = TORNCHAT_PREFETCH;  // bytes ahead in each column's stream
+// Bytes of a tile's reading ahead (ahead). 32768 against 8192 within each column's own stream (2026-11-27, AMD Zen 5,
+// bench/blocks.py): long rows' products (Qwen3 4B's down, K = 9728) 1.3-1.9x faster, the others the same.
+constexpr int PREFETCH = TORNCHAT_PREFETCH;
 
 inline __attribute__((always_inline)) __m256i nibbles32(const uint8_t* p) {  // 16 bytes -> 32 levels
   const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -812,6 +815,17 @@ constexpr int64_t group_bytes(int64_t T) {
          T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
 }
 
+// What column col's stream reads `distance` groups after group g, there to be prefetched: past the row's end, the
+// next tile's column of the same place (a tile's COLS columns are consecutive rows of the matrix, and the next
+// tile's follow them), so that a long row's next tile is fetched as early as a short row's. distance: about
+// PREFETCH bytes of the tile's reading ahead.
+template <int64_t T>
+inline __attribute__((always_inline)) const char* ahead(const uint8_t* col, int64_t g, int64_t groups, int64_t row_bytes) {
+  constexpr int64_t gb = group_bytes(T), distance = PREFETCH / (COLS * gb) > 1 ? PREFETCH / (COLS * gb) : 1;
+  const int64_t later = g + distance;
+  return reinterpret_cast<const char*>(later < groups ? col + later * gb : col + COLS * row_bytes + (later - groups) * gb);
+}
+
 struct RowPtrs {  // one row of the quantized activations
   const int8_t* qt;
   const float *d, *ds;
@@ -822,12 +836,12 @@ struct RowPtrs {  // one row of the quantized activations
 // summed over 8 steps of 4 features (the weights transposed once per column, the activations stored so).
 template <int64_t T, int R, int NJ>
 inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, int64_t g, int nj, const RowPtrs* x,
-                                                       __m256 (*acc)[COLS]) {
+                                                       __m256 (*acc)[COLS], int64_t groups, int64_t row_bytes) {
   constexpr int sh = offset_shift(T);
   if (NJ) nj = NJ;
   for (int c = 0; c < COLS; ++c) {
-    for (int off = 0; off < group_bytes(T); off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w[c] + g * group_bytes(T) + PREFETCH + off), _MM_HINT_T0);
+    const char* next = ahead<T>(w[c], g, groups, row_bytes);
+    for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     __m256 ws, wm, lo, hi;
     meta<T>(w[c], g, nj, ws, wm, lo, hi);
     __m256i v[8];
@@ -974,7 +988,7 @@ inline __attribute__((always_inline)) void q4_pair(const uint8_t* row0, const ui
 // of 8 dependent steps. The fp32 operations are quant_group's, per lane.
 template <int64_t T, int R, int NJ>
 inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* w, int64_t g, int nj, const RowPtrs* x,
-                                                          __m512 (*acc)[COLS / 2]) {
+                                                          __m512 (*acc)[COLS / 2], int64_t groups, int64_t row_bytes) {
   constexpr int sh = offset_shift(T);
   if (NJ) nj = NJ;
   __m512 ws2[2], wm2[2], lo2[2], hi2[2];
@@ -982,9 +996,10 @@ inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* 
 #pragma GCC unroll 2
   for (int p = 0; p < COLS / 2; ++p) {
 #pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h)
-      for (int off = 0; off < group_bytes(T); off += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(w[2 * p + h] + g * group_bytes(T) + PREFETCH + off), _MM_HINT_T0);
+    for (int h = 0; h < 2; ++h) {
+      const char* next = ahead<T>(w[2 * p + h], g, groups, row_bytes);
+      for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    }
     if constexpr (T == Q4_0 || T == Q4_1) {
       q4_pair<T>(w[2 * p], w[2 * p + 1], g, nj, ws2[p], wm2[p], v[p]);
       lo2[p] = hi2[p] = _mm512_setzero_ps();
@@ -1053,6 +1068,24 @@ inline __attribute__((always_inline)) __m512i pair_levels(const uint8_t* row, in
     const __m512i qs = _mm512_broadcast_i64x4(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * 144 + 16 + 32 * i)));
     return _mm512_and_si512(_mm512_mask_srli_epi16(qs, 0xFFFF0000u, qs, 4), _mm512_set1_epi8(0x0F));
+  } else if constexpr (T == Q6_K) {
+    // Half h = i / 2 of the super-block: blocks 4h, 4h + 1 are the low nibbles of its 64 bytes ql (the first
+    // 32 bytes, then the second), blocks 4h + 2, 4h + 3 their high nibbles; the fifth and sixth bits of all four
+    // are bit pairs 0, 1, 2, 3 of the same 32 bytes qh. One load of each, where levels takes two per block.
+    const uint8_t* sb = row + g * 210;
+    const __m512i ql = _mm512_loadu_si512(sb + 64 * (i / 2));
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * (i / 2))));
+    // bit pair p moved to bits 4-5 (16-bit shifts: what crosses a byte lands outside 0x30): p = 0, 1 left by 4,
+    // 2; p = 2, 3 right by 0, 2
+    const __m512i counts = i % 2 ? _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002, 0x0002000200020002,
+                                                     0x0002000200020002, 0x0002000200020002)
+                                 : _mm512_setr_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                                     0x0004000400040004, 0x0002000200020002, 0x0002000200020002,
+                                                     0x0002000200020002, 0x0002000200020002);
+    const __m512i high = _mm512_and_si512(i % 2 ? _mm512_srlv_epi16(qh, counts) : _mm512_sllv_epi16(qh, counts),
+                                          _mm512_set1_epi8(0x30));
+    const __m512i low = _mm512_and_si512(i % 2 ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+    return _mm512_or_si512(low, high);
   } else if constexpr (T == Q5_0 || T == Q5_1) {
     // Both blocks' fifth bits, one per feature in feature order, are one 64-bit mask: a masked move sets them,
     // where bits32's shuffle, or, compare and and per block took more instructions than the block's dot.
@@ -1077,7 +1110,8 @@ inline __attribute__((always_inline)) __m512i pair_levels(const uint8_t* row, in
 
 template <int64_t T, int NJ>
 inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const* w, int64_t g, int nj,
-                                                           const int8_t* q, const RowPtrs& x, __m256* acc) {
+                                                           const int8_t* q, const RowPtrs& x, __m256* acc,
+                                                           int64_t groups, int64_t row_bytes) {
   constexpr int sh = offset_shift(T);
   if (NJ) nj = NJ;
   // lanes (block 2i + e, first or second 16 features) of the folded sums -> [first 16 of blocks 0..7 | second 16]
@@ -1085,8 +1119,8 @@ inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const*
   const __m256 d = _mm256_loadu_ps(x.d + g * 8);
 #pragma GCC unroll 4
   for (int c = 0; c < COLS; ++c) {
-    for (int off = 0; off < group_bytes(T); off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w[c] + g * group_bytes(T) + PREFETCH + off), _MM_HINT_T0);
+    const char* next = ahead<T>(w[c], g, groups, row_bytes);
+    for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     __m256 ws, wm, lo, hi;
     meta<T, false>(w[c], g, nj, ws, wm, lo, hi);
     __m512i p[4];  // pair i: lanes 0-7 block 2i's 4-feature sums in feature order, lanes 8-15 block 2i + 1's
@@ -1141,22 +1175,22 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
     x[r] = RowPtrs{a.qt.data() + at * QK, a.d.data() + at, a.ds.data() + at,
                    a.neg_sums.data() + at, a.neg_first.data() + at, a.neg_second.data() + at};
   }
-  const int64_t full = jb.nb / 8;
+  const int64_t full = jb.nb / 8, groups = (jb.nb + 7) / 8;
   __m256 acc[R][C];
 #if PASS_VNNI == 2
   if constexpr (R == 1 && T != Q4_0 && T != Q4_1) {  // one row: its blocks in their own order (quant_group_row)
     const int8_t* q = a.q.data() + rows[0] * a.k;
     for (int c = 0; c < C; ++c) acc[0][c] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < full; ++g) quant_group_row<T, 8>(w, g, 8, q, x[0], acc[0]);
-    if (jb.nb % 8) quant_group_row<T, 0>(w, full, static_cast<int>(jb.nb % 8), q, x[0], acc[0]);
+    for (int64_t g = 0; g < full; ++g) quant_group_row<T, 8>(w, g, 8, q, x[0], acc[0], groups, jb.row_bytes);
+    if (jb.nb % 8) quant_group_row<T, 0>(w, full, static_cast<int>(jb.nb % 8), q, x[0], acc[0], groups, jb.row_bytes);
     for (int c = 0; c < C; ++c) out[c][0] = lanes8(acc[0][c]);
     return;
   }
   __m512 acc2[R][C / 2];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < C / 2; ++p) acc2[r][p] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < full; ++g) quant_group512<T, R, 8>(w, g, 8, x, acc2);
-  if (jb.nb % 8) quant_group512<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc2);
+  for (int64_t g = 0; g < full; ++g) quant_group512<T, R, 8>(w, g, 8, x, acc2, groups, jb.row_bytes);
+  if (jb.nb % 8) quant_group512<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc2, groups, jb.row_bytes);
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < C / 2; ++p) {
       acc[r][2 * p] = _mm512_castps512_ps256(acc2[r][p]);
@@ -1165,8 +1199,8 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
 #else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < full; ++g) quant_group<T, R, 8>(w, g, 8, x, acc);
-  if (jb.nb % 8) quant_group<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc);
+  for (int64_t g = 0; g < full; ++g) quant_group<T, R, 8>(w, g, 8, x, acc, groups, jb.row_bytes);
+  if (jb.nb % 8) quant_group<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc, groups, jb.row_bytes);
 #endif
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) out[r * C + c][0] = lanes8(acc[r][c]);
