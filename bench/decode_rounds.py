@@ -9,7 +9,9 @@ decoding e2e's short workload (3 topics, 128 greedy tokens, streamed through
 the openai SDK); each round's ratio compares neighbours in time, and the
 median over rounds is the figure to report.
 
-    python -m bench.decode_rounds [--checkpoint-path FILE.gguf] [--rounds 4] [--threads 2]
+    python -m bench.decode_rounds [--checkpoint-path FILE.gguf] [--rounds 4] [--threads 2] [--speculate none]
+
+--speculate passes tornchat's option of that name (none: decode without drafts, the kernels' own rate).
 """
 import argparse
 import statistics
@@ -42,6 +44,7 @@ def decode_rate(make_system: Callable[[int], e2e.System], threads: int, tokenize
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--speculate", help="tornchat's --speculate (default: its own default)")
     e2e.add_baseline_arguments(parser)
     args = parser.parse_args()
     model = args.checkpoint_path or checkpoint.default_gguf_path()
@@ -49,12 +52,18 @@ def main() -> None:
     if problem := e2e.llama_server_problem(llama_server):
         raise SystemExit(problem)
     tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(model))  # the header only, as bench/e2e.py
-    print(f"CPU: {describe()}; {args.threads} threads; {model.name}; llama-server "
+    print(f"CPU: {describe()}; {args.threads} threads; {model.name}; tornchat --speculate {args.speculate or 'default'}; llama-server "
           f"{e2e.llama_server_version(llama_server)}")
     print("| round | tornchat tok/s | llama-server tok/s | ratio |\n|---|---|---|---|")
     ratios = []
+    def tornchat(port: int) -> e2e.System:
+        system = e2e.tornchat_systems(args.threads, port, model)[0]
+        if args.speculate:
+            system.command += ["--speculate", args.speculate]
+        return system
+
     for round_ in range(1, args.rounds + 1):
-        ours = decode_rate(lambda port: e2e.tornchat_systems(args.threads, port, model)[0], args.threads, tokenizer)
+        ours = decode_rate(tornchat, args.threads, tokenizer)
         theirs = decode_rate(lambda port: e2e.llamacpp_system(args.threads, port, model, llama_server), args.threads,
                              tokenizer)
         ratios.append(ours / theirs)
