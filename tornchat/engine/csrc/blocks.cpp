@@ -501,7 +501,7 @@ std::vector<std::string> block_isas() {
 std::string block_isa() { return isa_name(chosen_isa()); }
 
 at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
-                    const std::string& isa_name_) {
+                    const std::string& isa_name_, at::Tensor out) {
   const Isa isa = isa_name_.empty() ? chosen_isa() : parse_isa(isa_name_, "isa");
   TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "block_mm: one type per part, at least one part");
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "block_mm: x must be a CPU tensor [rows, K]");
@@ -521,7 +521,12 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
     (is_float(types[i]) ? any_float : any_quant) = true;
   }
   const auto xf = x.to(at::kFloat).contiguous();
-  auto out = at::empty({rows, n_total}, xf.options());
+  if (out.defined()) {
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.device().is_cpu() && out.is_contiguous(), "block_mm: out must be a contiguous fp32 CPU tensor");
+    out.resize_({rows, n_total});
+  } else {
+    out = at::empty({rows, n_total}, xf.options());
+  }
   if (rows == 0 || n_total == 0) return out;
   thread_local Acts acts;  // the calling thread's buffers, kept from call to call
   if (any_quant) quantize_rows(xf.data_ptr<float>(), rows, k, acts, isa);
@@ -567,7 +572,10 @@ void define_blocks(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("block_isas", &block_isas, "the instruction-set paths of the block kernels this CPU runs, best first");
   m.def("block_isa", &block_isa, "the path block_mm takes by default (TORNCHAT_ISA's where set)");
-  m.def("block_mm", &block_mm, "x [rows, K] times GGUF-block weights' parts transposed: fp32 [rows, N]",
+  m.def("block_mm",
+        [](const at::Tensor& x, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
+           const std::string& isa) { return block_mm(x, parts, types, isa); },
+        "x [rows, K] times GGUF-block weights' parts transposed: fp32 [rows, N]",
         py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("isa") = "",
         py::call_guard<py::gil_scoped_release>());
 }

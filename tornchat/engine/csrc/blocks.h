@@ -29,9 +29,10 @@ std::vector<std::string> block_isas();
 std::string block_isa();
 
 // x [rows, K] (fp32 or bf16) times the parts' [sum N_i, K] transposed: fp32 [rows, sum N_i]. isa: one of
-// block_isas() or "" for block_isa(). Threads split the output columns, never K.
+// block_isas() or "" for block_isa(). Threads split the output columns, never K. out: where to write it (resized
+// to [rows, sum N_i], its storage kept where large enough), or an undefined tensor for a new one.
 at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
-                    const std::string& isa);
+                    const std::string& isa, at::Tensor out = at::Tensor());
 
 // Adds block_isas, block_isa and block_mm (without the GIL) to fused.cpp's Python module.
 void define_blocks(pybind11::module_& m);

@@ -576,7 +576,10 @@ struct Linear {
   std::vector<int64_t> types;
   std::string isa;  // the kernels' instruction-set path (blocks.h)
 
-  at::Tensor operator()(const at::Tensor& x) const { return tornchat::block_mm(x, parts, types, isa); }
+  // out: where to write (block_mm), or undefined for a new tensor
+  at::Tensor operator()(const at::Tensor& x, at::Tensor out = at::Tensor()) const {
+    return tornchat::block_mm(x, parts, types, isa, std::move(out));
+  }
 };
 
 // A mixture-of-experts MLP (llama.Experts): the router's matrix [experts, hidden] as F32 blocks, and each
@@ -762,6 +765,10 @@ class Forward {
     }
     TORCH_CHECK(x.size(0) == total && freqs.size(0) == total, "x and freqs must have the sequences' rows");
     TORCH_CHECK(!local_freqs || local_freqs->sizes() == freqs.sizes(), "local_freqs must be freqs' shape");
+    // The gate-and-up products of every dense layer in one buffer: a prefill chunk's is the forward's largest
+    // activation (32 MiB at 1B), at or past malloc's largest threshold for mapping memory anew, so that each
+    // layer's own tensor was mapped, faulted in page by page and unmapped: 8-10% of a 1B prefill.
+    at::Tensor gate_up;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const at::Tensor& table = layer.window && local_freqs ? *local_freqs : freqs;
@@ -782,7 +789,12 @@ class Forward {
       auto out = layer.wo(attend_many(q, keys, values, begins, counts, scale_, layer.window, attend_path_));
       x = x + (layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out);
       const auto h = rms_norm(x, layer.ffn_norm, eps_, false);
-      out = layer.moe.w13.empty() ? layer.w2(gate(layer.w13(h), gelu_, attend_path_)) : mixture(layer.moe, h, gelu_, attend_path_);
+      if (layer.moe.w13.empty()) {
+        gate_up = layer.w13(h, gate_up);
+        out = layer.w2(gate(gate_up, gelu_, attend_path_));
+      } else {
+        out = mixture(layer.moe, h, gelu_, attend_path_);
+      }
       x = x + (layer.post_ffn_norm.numel() ? rms_norm(out, layer.post_ffn_norm, eps_, false) : out);
     }
     return x;
