@@ -45,8 +45,8 @@
 // where it does not pay: one row alone (a decode step) folds each column's blocks in their own order
 // (quant_group_row; not Q4_0, Q4_1, whose nibbles a few permutes put in the transposed layout: q4_pair), and
 // from PANEL_ROWS rows (a prefill chunk) the columns are unpacked once into panels of 16 that one VPDPBUSD
-// takes against a row's broadcast activations (vnni_columns). Weights are prefetched about PREFETCH bytes of a tile's
-// reading ahead, into the next tile past a row's end (ahead).
+// takes against a row's broadcast activations (vnni_columns). Weights are prefetched about PREFETCH bytes of a
+// tile's reading ahead, into the next tile past a row's end (ahead).
 // The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
 // 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same panels), so it too gives the
 // same bits; block_isas() lists it first where the CPU and the kernel (arch_prctl ARCH_REQ_XCOMP_PERM) allow
@@ -522,7 +522,8 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
   }
   const auto xf = x.to(at::kFloat).contiguous();
   if (out.defined()) {
-    TORCH_CHECK(out.scalar_type() == at::kFloat && out.device().is_cpu() && out.is_contiguous(), "block_mm: out must be a contiguous fp32 CPU tensor");
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.device().is_cpu() && out.is_contiguous(),
+                "block_mm: out must be a contiguous fp32 CPU tensor");
     out.resize_({rows, n_total});
   } else {
     out = at::empty({rows, n_total}, xf.options());
@@ -533,10 +534,15 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
   if (any_quant && isa == Isa::amx && rows >= 16) tile_rows(acts);
   acts.rows = rows, acts.k = k;
 
-  // Chunks of columns, each within one part, that the threads share (wider where columns are unpacked into
-  // panels once for all the rows: the amx path, and avx512vnni from PANEL_ROWS rows).
+  // Chunks of columns, each within one part, that the threads share: wider where columns are unpacked into
+  // panels once for all the rows (the amx path, and avx512vnni from PANEL_ROWS rows), as long as a chunk's panels
+  // (a byte of level and half a byte of scales a weight) stay within 512 KiB, half a small L2 cache, since every
+  // 8 or 16 rows read them again: 128 columns of Qwen3 4B's down projection (K = 9728) came from L3 (512 rows,
+  // 2026-11-27, Zen 5: 739-750 GOPS at 128 columns, 853-934 at 32).
   const bool panels = any_quant && ((isa == Isa::amx && rows >= 16) || (isa == Isa::avx512vnni && rows >= PANEL_ROWS));
-  const int64_t CHUNK = panels ? 128 : 32;
+  int64_t CHUNK = 32;
+  if (panels)
+    for (CHUNK = 128; CHUNK > 32 && CHUNK * k * 3 / 2 > (512 << 10);) CHUNK /= 2;
   std::vector<Job> jobs;
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (job, first column)
   int64_t offset = 0;
@@ -591,8 +597,8 @@ namespace PASS_NS {
 #ifndef TORNCHAT_PREFETCH
 #define TORNCHAT_PREFETCH 32768
 #endif
-// Bytes of a tile's reading ahead (ahead). 32768 against 8192 within each column's own stream (2026-11-27, AMD Zen 5,
-// bench/blocks.py): long rows' products (Qwen3 4B's down, K = 9728) 1.3-1.9x faster, the others the same.
+// Bytes of a tile's reading ahead (ahead). 32768 against 8192 within each column's own stream (2026-11-27, AMD
+// Zen 5, bench/blocks.py): long rows' products (Qwen3 4B's down, K = 9728) 1.3-1.9x faster, the others the same.
 constexpr int PREFETCH = TORNCHAT_PREFETCH;
 
 inline __attribute__((always_inline)) __m256i nibbles32(const uint8_t* p) {  // 16 bytes -> 32 levels
@@ -828,7 +834,8 @@ constexpr int64_t group_bytes(int64_t T) {
 // tile's follow them), so that a long row's next tile is fetched as early as a short row's. distance: about
 // PREFETCH bytes of the tile's reading ahead.
 template <int64_t T>
-inline __attribute__((always_inline)) const char* ahead(const uint8_t* col, int64_t g, int64_t groups, int64_t row_bytes) {
+inline __attribute__((always_inline)) const char* ahead(const uint8_t* col, int64_t g, int64_t groups,
+                                                        int64_t row_bytes) {
   constexpr int64_t gb = group_bytes(T), distance = PREFETCH / (COLS * gb) > 1 ? PREFETCH / (COLS * gb) : 1;
   const int64_t later = g + distance;
   return reinterpret_cast<const char*>(later < groups ? col + later * gb : col + COLS * row_bytes + (later - groups) * gb);
@@ -1082,7 +1089,8 @@ inline __attribute__((always_inline)) __m512i pair_levels(const uint8_t* row, in
     // are bit pairs 0, 1, 2, 3 of the same 32 bytes qh. One load of each, where levels takes two per block.
     const uint8_t* sb = row + g * 210;
     const __m512i ql = _mm512_loadu_si512(sb + 64 * (i / 2));
-    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * (i / 2))));
+    const __m512i qh =
+        _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 128 + 32 * (i / 2))));
     // bit pair p moved to bits 4-5 (16-bit shifts: what crosses a byte lands outside 0x30): p = 0, 1 left by 4,
     // 2; p = 2, 3 right by 0, 2
     const __m512i counts = i % 2 ? _mm512_setr_epi64(0, 0, 0, 0, 0x0002000200020002, 0x0002000200020002,

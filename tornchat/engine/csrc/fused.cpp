@@ -767,7 +767,7 @@ class Forward {
     TORCH_CHECK(!local_freqs || local_freqs->sizes() == freqs.sizes(), "local_freqs must be freqs' shape");
     // The gate-and-up products of every dense layer in one buffer: a prefill chunk's is the forward's largest
     // activation (32 MiB at 1B), at or past malloc's largest threshold for mapping memory anew, so that each
-    // layer's own tensor was mapped, faulted in page by page and unmapped: 8-10% of a 1B prefill.
+    // layer's own tensor was mapped, faulted in page by page and unmapped: 5-10% of a 1B prefill.
     at::Tensor gate_up;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
