@@ -406,7 +406,6 @@ class LlamaRunner:
         self.windowed_layers = [i for i, w in enumerate(self.windows) if w]
         self.other_layers = [i for i, w in enumerate(self.windows) if not w]
 
-
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings in the model's dtype, scaled there (Gemma), as transformers scales them."""
         x = quant.dequantize(self.weights.embed, self.dtype, ids)

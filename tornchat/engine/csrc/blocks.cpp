@@ -836,7 +836,7 @@ constexpr int64_t group_bytes(int64_t T) {
 template <int64_t T>
 inline __attribute__((always_inline)) const char* ahead(const uint8_t* col, int64_t g, int64_t groups,
                                                         int64_t row_bytes) {
-  constexpr int64_t gb = group_bytes(T), distance = PREFETCH / (COLS * gb) > 1 ? PREFETCH / (COLS * gb) : 1;
+  constexpr int64_t gb = group_bytes(T), distance = std::max<int64_t>(1, PREFETCH / (COLS * gb));
   const int64_t later = g + distance;
   return reinterpret_cast<const char*>(later < groups ? col + later * gb : col + COLS * row_bytes + (later - groups) * gb);
 }
