@@ -1,5 +1,7 @@
 """The CUDA path: graph-replayed decode steps, tinygemm int4, the server on a GPU. Runs where a GPU is."""
+import gc
 import os
+import weakref
 
 import openai
 import pytest
@@ -95,6 +97,53 @@ def test_graph_replay_is_bit_for_bit_the_eager_step_cache_included(dtype):
         assert torch.equal(replayed, eager)
     assert torch.equal(graph_cache.kv[:, :, : graph_cache.length], eager_cache.kv[:, :, : eager_cache.length])
     assert graphed.graphs.captures == 2 and graph_cache.kv.shape[2] == 512
+
+
+def test_a_collection_due_during_a_capture_waits_for_its_end(gpu_model):
+    """A runner and its graphs refer to each other, so a discarded runner's graphs are destroyed by whichever
+    collection finds them; one that ran during another runner's capture invalidated that capture. Here the
+    collector is made due at every allocation from inside a capture, with such a runner waiting in the
+    youngest generation: the capture holds it off, so the graph is captured and replays the eager step bit
+    for bit, and the discarded runner goes at the next collection."""
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.disable()  # until the capture: the discarded runner stays in the generation a due collection looks at
+    in_capture = []  # for each collection, whether it ran inside a capture
+    gc.callbacks.append(lambda phase, _: in_capture.append(torch.cuda.is_current_stream_capturing())
+                        if phase == "start" else None)
+
+    def collecting_step(*args):
+        if torch.cuda.is_current_stream_capturing():
+            gc.set_threshold(1)
+            _ = [[] for _ in range(100)]  # allocations past the threshold: a collection here if one may run
+        return cuda_graph.step(*args)
+
+    try:
+        discarded = runner(gpu_model)
+        greedy_ids(discarded, list(range(100, 120)), 2)
+        assert discarded.graphs.captures
+        gone = weakref.ref(discarded.graphs)
+        del discarded
+        fresh = runner(gpu_model, graphs=False)
+        graphs = cuda_graph.GraphedSteps(fresh, step_fn=collecting_step)
+        replayed_cache, eager_cache = fresh.new_cache(), fresh.new_cache()
+        for cache in (replayed_cache, eager_cache):
+            fresh.forward(list(range(100, 120)), cache)
+            fresh.reserve(cache, cache.length + 1)
+        gc.set_threshold(10**9)
+        gc.enable()
+        replayed = graphs([(7, replayed_cache.kv, replayed_cache.length)])
+    finally:
+        gc.enable()
+        gc.set_threshold(*threshold)
+        gc.callbacks.pop()
+    assert graphs.captures == 1 and not any(in_capture)
+    with torch.inference_mode():
+        eager = cuda_graph.step(fresh, torch.tensor([7], device="cuda"), torch.tensor([eager_cache.length], device="cuda"),
+                                (eager_cache.kv,))
+    assert torch.equal(replayed, eager)
+    gc.collect()
+    assert gone() is None
 
 
 @pytest.mark.parametrize("quantize", ["none", "int4"])

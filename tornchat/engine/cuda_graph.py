@@ -39,6 +39,7 @@ whole capacity with the later positions masked), so the graph does not
 depend on the length.
 """
 import dataclasses
+import gc
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -124,6 +125,14 @@ class GraphedSteps:
     stream. Each graph keeps its own memory pool: a step's intermediates are
     small, and a pool shared by handle cannot be captured into again once
     its graphs are gone.
+
+    No graph may be destroyed while a stream captures, in any thread: CUDA
+    refuses and invalidates the capture ("operation failed due to a previous
+    error during capture"). Python's cyclic collector runs at whatever
+    allocation crosses its threshold, and a discarded runner held in a
+    reference cycle has its graphs destroyed there; on an H200 that broke
+    a capture in three of four sequences of runners. So automatic
+    collection is off while a graph is captured.
     """
 
     def __init__(self, runner, step_fn=step, rows: int = STEP_ROWS):
@@ -182,8 +191,14 @@ class GraphedSteps:
             run()
         torch.cuda.current_stream(device).wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream), torch.inference_mode():
-            output = run()
+        collecting = gc.isenabled()
+        gc.disable()  # see the class docstring: a collection now may destroy another runner's graphs
+        try:
+            with torch.cuda.graph(graph, stream=self.stream), torch.inference_mode():
+                output = run()
+        finally:
+            if collecting:
+                gc.enable()
         captured = _Captured(graph, tuple(weakref.ref(kv) for kv in kvs), output)
         self.captured[key] = captured
         self.captures += 1
