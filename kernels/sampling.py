@@ -41,16 +41,23 @@ def is_greedy(temperature: torch.Tensor, top_k: int) -> bool:
     return bool(temperature.float() < GREEDY_TEMPERATURE) or top_k == 1
 
 
+def greedy_token(row_logits: torch.Tensor) -> int:
+    """Rule 2 for one row [V]: the argmax of the sanitized logits, the lowest id on ties (0 where no logit is
+    finite: every value is then -inf, the first of them the largest)."""
+    if row_logits.device.type == "cpu":
+        # numpy's argmax (vectorized; torch's is several times slower on a CPU) stops at the first NaN: a row whose
+        # largest value is neither NaN nor past the cap is its own sanitized copy.
+        values = row_logits.float().numpy()
+        token = int(values.argmax())
+        if values[token] <= LOGIT_CAP:
+            return token
+    return int(torch.argmax(sanitize_logits(row_logits)))
+
+
 def greedy_row(row_logits: torch.Tensor) -> tuple[int, float]:
-    """Rule 2 for one row [V]: the argmax of the sanitized logits (the lowest id on ties; 0 where no logit is
-    finite) and its log-probability (-inf there)."""
-    row_logits = row_logits.float()
-    # On a CPU, numpy's argmax (vectorized; torch's is several times slower there) stops at the first NaN: a row
-    # whose largest value is neither NaN nor past the cap is its own sanitized copy.
-    token = int(row_logits.numpy().argmax()) if row_logits.device.type == "cpu" else None
-    if token is None or not row_logits[token] <= LOGIT_CAP:
-        row_logits = sanitize_logits(row_logits)
-        token = int(torch.argmax(row_logits))
+    """``greedy_token`` and its log-probability (-inf where no logit is finite)."""
+    token = greedy_token(row_logits)
+    row_logits = sanitize_logits(row_logits)
     if row_logits[token] == float("-inf"):  # no finite logit at all
         return 0, float("-inf")
     return token, float(torch.log_softmax(row_logits, dim=-1)[token])

@@ -15,6 +15,7 @@ from tornchat.kernels import sample  # noqa: E402
 from tornchat.kernels import sampling_triton as kernel  # noqa: E402
 from tornchat.kernels.sampling import (  # noqa: E402
     LOGIT_CAP,
+    greedy_token,
     is_greedy,
     nucleus_floor,
     sample_reference,
@@ -259,6 +260,17 @@ def test_reference_never_returns_an_out_of_range_id():
     assert ids[2] == 39 and logprobs[2] == 0.0
     capped = sanitize_logits(torch.tensor([[float("inf"), 1.0]]))
     assert capped[0, 0] == LOGIT_CAP and torch.isfinite(capped / 0.01).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_token_is_the_references_greedy_choice(dtype):
+    """The chooser takes a greedy row's token by greedy_token (no log-probability): the reference's greedy id on
+    every awkward row (a NaN first, +inf twice, one finite value, none, ties), on the CPU and on the device."""
+    logits = torch.cat([awkward_rows(40), torch.full((1, 40), float("nan"))]).to(dtype)
+    ids, _ = sample_reference(logits.cpu(), *params(len(logits), 0.0), step=0)
+    for row, expected in zip(logits, ids.tolist()):
+        assert greedy_token(row) == expected and greedy_token(row.cpu()) == expected
+    assert ids[3] == 0 and ids[1] == 3  # nothing finite: 0; two capped +inf: the lower id
 
 
 def test_the_greedy_rule_compares_the_temperature_in_fp32():

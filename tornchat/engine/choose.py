@@ -25,7 +25,7 @@ import torch
 from tornchat.engine import logprobs, processors, thinking
 from tornchat.engine.types import GenerationRequest, TokenLogprob
 from tornchat.kernels import sample, step_choice, stopcheck
-from tornchat.kernels.sampling import is_greedy
+from tornchat.kernels.sampling import greedy_token, is_greedy
 
 
 @dataclass(eq=False)
@@ -101,8 +101,11 @@ class Chooser:
         if self.grammar is not None:
             logits = self.grammar.apply(logits)  # tokens that leave the grammar: -inf
         logits = processors.run(self.after_mask, logits, self.context)
-        token_ids, _ = sample(logits[None, :], self.temperature, self.top_k, self.top_p, self.seed, index)
-        token = int(token_ids[0])
+        if self.greedy:  # the sampler's rule 2, without the log-probability it would compute and we drop
+            token = greedy_token(logits)
+        else:
+            token_ids, _ = sample(logits[None, :], self.temperature, self.top_k, self.top_p, self.seed, index)
+            token = int(token_ids[0])
         if self.thinking is not None and (forced := self.thinking.forced()) is not None:
             token = forced
         self.history.append(token)
