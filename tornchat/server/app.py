@@ -6,11 +6,13 @@ import re
 import signal
 
 from tornado.httpserver import HTTPServer
+from tornado.ioloop import IOLoop
 from tornado.web import Application
 
 from tornchat.config import Config
 from tornchat.engine.grammar import Compiler
 from tornchat.server import handlers, messages, responses, web
+from tornchat.server.mailbox import Mailbox
 from tornchat.server.metrics import Metrics
 from tornchat.server.stats import ServerStats
 
@@ -76,6 +78,7 @@ def make_app(config: Config, engine) -> Application:
         metrics=Metrics(engine, server_stats),
         grammars=Compiler(engine.tokenizer),  # structured outputs: its vocabulary built at the first grammar
         in_flight=set(),  # handlers with a generation submitted, for shutdown
+        mailbox=Mailbox(IOLoop.current()),  # the engine's events onto this loop
         responses_store=responses.Store(config.responses_store),  # for previous_response_id
     )
 

@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 
 import orjson
-from tornado.ioloop import IOLoop
 from tornado.iostream import StreamClosedError
 from tornado.queues import Queue
 from tornado.web import HTTPError, RequestHandler, stream_request_body
@@ -189,8 +188,9 @@ class GenerationHandler(BaseHandler):
     """What the generating endpoints share: read the body, queue on the engine, answer as JSON or SSE.
 
     The body streams in so that an oversized one is refused without holding
-    it all. Engine events arrive from the worker thread through
-    IOLoop.add_callback into a Queue; a client that leaves withdraws its
+    it all. Engine events arrive from the worker thread through the
+    server's mailbox (``mailbox``: one IOLoop wake-up for a step's events)
+    into a Queue; a client that leaves withdraws its
     request from the engine. Subclasses turn the body into a
     GenerationRequest and a reply (replies.Reply or TextReply) in ``post``,
     one per choice where the request asks for n.
@@ -261,8 +261,8 @@ class GenerationHandler(BaseHandler):
             in_flight.discard(self)
 
     def _submit(self, choice: ChoiceState) -> None:
-        loop = IOLoop.current()
-        choice.handle = self.engine.submit(choice.generation, lambda event: loop.add_callback(self.events.put_nowait, (choice, event)))
+        mailbox = self.settings["mailbox"]
+        choice.handle = self.engine.submit(choice.generation, lambda event: mailbox.post(self.events.put_nowait, (choice, event)))
 
     def _submit_later(self, choice: ChoiceState) -> None:
         """Submit a choice after choice 0; a full queue fails that choice as a generation failure would."""

@@ -1,0 +1,39 @@
+"""The mailbox that carries the engine's events onto the IOLoop: every call delivered, in order, one wake-up
+for all posted before the loop gets to them."""
+import asyncio
+import threading
+
+from tornado.ioloop import IOLoop
+
+from tornchat.server.mailbox import Mailbox
+
+
+def test_calls_posted_while_the_loop_is_busy_arrive_in_order_in_one_wake_up():
+    async def main():
+        loop = IOLoop.current()
+        wake_ups = []
+
+        class Counted:  # the loop, counting the wake-ups asked of it
+            def add_callback(self, fn, *args):
+                wake_ups.append(fn)
+                loop.add_callback(fn, *args)
+
+        mailbox = Mailbox(Counted())
+        got = []
+        for batch in range(2):
+            posted = threading.Event()
+
+            def worker(batch=batch, posted=posted):
+                for i in range(100):
+                    mailbox.post(got.append, (batch, i))
+                posted.set()
+
+            thread = threading.Thread(target=worker)
+            thread.start()
+            posted.wait()  # the loop's thread blocked until the worker has posted all 100
+            thread.join()
+            await asyncio.sleep(0.05)  # the loop runs the delivery
+            assert got == [(b, i) for b in range(batch + 1) for i in range(100)]
+            assert len(wake_ups) == batch + 1  # one per batch: the second found the first delivered
+
+    asyncio.run(main())
