@@ -266,7 +266,7 @@ def test_reference_never_returns_an_out_of_range_id():
 def test_greedy_token_is_the_references_greedy_choice(dtype):
     """The chooser takes a greedy row's token by greedy_token (no log-probability): the reference's greedy id on
     every awkward row (a NaN first, +inf twice, one finite value, none, ties), on the CPU and on the device."""
-    logits = torch.cat([awkward_rows(40), torch.full((1, 40), float("nan"))]).to(dtype)
+    logits = torch.cat([awkward_rows(40), torch.full((1, 40), float("nan"), device=DEVICE)]).to(dtype)
     ids, _ = sample_reference(logits.cpu(), *params(len(logits), 0.0), step=0)
     for row, expected in zip(logits, ids.tolist()):
         assert greedy_token(row) == expected and greedy_token(row.cpu()) == expected
