@@ -122,6 +122,18 @@ def test_packed_formats_are_blocks_that_decode_to_their_weights(tiny_model, quan
                        runner.head.dequantize(torch.float32)[rows])
 
 
+def test_rows_of_a_matrix_in_parts_of_two_types_decode_as_the_whole():
+    """An embedding stored in parts (one a part, or several of different types): the rows asked for are those
+    rows of the whole decoded matrix, in the order asked, from either part or both."""
+    torch.manual_seed(0)
+    first, second = quant.to_blocks(torch.randn(5, 64), "int8"), quant.to_blocks(torch.randn(7, 64), "int4")
+    whole = quant.BlockWeight(first.parts + second.parts, first.types + second.types)
+    assert whole.types == ("Q8_0", "Q4_1")
+    for matrix in (whole, first):
+        rows = torch.tensor([4, 0, 4]) if matrix is first else torch.tensor([11, 2, 5, 0, 6])
+        assert torch.equal(matrix.dequantize(torch.float32, rows), matrix.dequantize(torch.float32)[rows])
+
+
 def greedy_paths(runner, prompt_ids: list[int], drafts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The logits of every position of prompt_ids + drafts, and the cache after them, computed along four paths:
     the prompt in one prefill then one-token steps; in uneven chunks then verifies (one after a rollback);

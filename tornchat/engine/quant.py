@@ -48,8 +48,10 @@ class BlockWeight:
         """The values [N, K] the blocks hold (or only ``rows``), as llama.cpp decodes them."""
         if rows is None:
             return torch.cat([ggml.values(p, t) for p, t in zip(self.parts, self.types)]).to(dtype)
-        starts = np.cumsum([0] + [p.shape[0] for p in self.parts])
         where = rows.cpu()
+        if len(self.parts) == 1:  # an embedding's usual case: no part to find for each row (20 us a decode step)
+            return ggml.values(self.parts[0][where].contiguous(), self.types[0]).to(device=rows.device, dtype=dtype)
+        starts = np.cumsum([0] + [p.shape[0] for p in self.parts])
         out = torch.empty(len(where), self.shape[1], dtype=torch.float32)
         for i, (part, type_name) in enumerate(zip(self.parts, self.types)):
             inside = (where >= int(starts[i])) & (where < int(starts[i + 1]))
