@@ -86,3 +86,22 @@ def test_more_requests_than_parallel_wait_their_turn(smol, runner):
         assert two.batch.largest == 2
     finally:
         two.close()
+
+
+def test_drafts_are_weighed_against_the_generations_sharing_the_step(smol, runner, monkeypatch):
+    """A generation decoding beside others proposes its drafts for a step of that many generations (a draft's
+    rows cost more against its share of such a step): alone 1, four at once 4 once they share forwards."""
+    seen = []
+    propose = speculate.Drafter.propose
+    monkeypatch.setattr(speculate.Drafter, "propose",
+                        lambda self, limit, generations=1: seen.append(generations) or propose(self, limit, generations))
+    batch = requests(smol)
+    four = engine(runner, smol, parallel=4)
+    try:
+        list(four.generate(batch[2]))
+        assert seen and set(seen) == {1}
+        seen.clear()
+        together(four, batch)
+        assert max(seen) == 4 and four.batch.largest == 4
+    finally:
+        four.close()

@@ -64,6 +64,16 @@ def test_draft_length_is_the_best_bet_at_the_estimated_acceptance():
     assert costs.best_draft(0.9, 4) == 3  # 3.44 / 1.75; four drafts' 4.1 / 2.4 is worse
 
 
+def test_a_step_shared_by_other_generations_takes_shorter_drafts():
+    """Among 4 generations a step costs each a quarter of a 4-row step (1.3 / 4 of a lone one here), and a
+    draft's rows cost what they cost alone: 0.1 a row, so a third of that share."""
+    costs = Costs((1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7))
+    assert costs.best_draft(0.5, 7) == 2 and costs.best_draft(0.5, 7, generations=1) == 2  # 1.75 / 1.2
+    assert costs.best_draft(0.5, 7, generations=4) == 1  # 1.5 / 1.31 beats 1.75 / 1.62
+    assert costs.best_draft(0.3, 7) == 1 and costs.best_draft(0.3, 7, generations=4) == 0  # 1.3 / 1.31: no gain
+    assert costs.best_draft(0.9, 7, generations=20) == costs.best_draft(0.9, 7, generations=8)  # past the table
+
+
 def test_misses_shrink_drafts_to_none_and_faded_evidence_tries_again():
     costs = Costs((1.0, 1.2, 1.5, 1.75, 2.4))
     drafter = Drafter(costs, [5, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], prediction=[])

@@ -63,12 +63,14 @@ def generate(
     cancelled: Callable[[], bool],
     counters: dict,
     speculation: speculate.Costs | None = None,
+    generations: Callable[[], int] = lambda: 1,
 ) -> Generator[Forward, torch.Tensor, None]:
     """Run one request to completion, calling emit for each piece of text; yields each ``Forward`` it needs
     and is sent its logits (scheduler.py).
 
     ``speculation``: draft tokens by prompt lookup (speculate.py) and check
-    them in one verify, sized by these costs. Each verified row then goes
+    them in one verify, sized by these costs and by how many generations
+    share the step (``generations()``). Each verified row then goes
     through the same steps as a plain step's logits, in order, so the text is
     the same with or without it (the sampler's randomness is keyed by the
     token's index in the reply).
@@ -140,7 +142,7 @@ def generate(
             if step + 1 < budget:
                 if cancelled():
                     return
-                drafts = drafter.propose(budget - step - 2) if drafter is not None else []
+                drafts = drafter.propose(budget - step - 2, generations()) if drafter is not None else []
                 rows = list((yield Forward([token, *drafts], slot.cache, True, None if drafts else on_device)))
                 chooser.prepare()
                 slot.tokens += [token, *drafts]

@@ -36,6 +36,7 @@ class Batch:
         self.limit = limit
         self.running: list[Running] = []
         self.largest = 0  # most generations one forward has served (tests, /metrics)
+        self.stepped = 1  # generations in the last forward: what a draft's rows are weighed against
 
     def __len__(self) -> int:
         return len(self.running)
@@ -51,6 +52,7 @@ class Batch:
         """One forward over every running generation's rows; each goes on to the forward it needs next. A lone
         generation's step whose token the runner can choose itself (``Forward.choice``) is chosen there."""
         running, self.running = self.running, []
+        self.stepped = len(running)
         self.largest = max(self.largest, len(running))
         try:
             if len(running) == 1 and running[0].pending.choice is not None:

@@ -58,12 +58,18 @@ class Costs:
         # every draft look free.
         object.__setattr__(self, "relative", tuple(float(r) for r in np.maximum.accumulate(np.maximum(self.relative, 1.0))))
 
-    def best_draft(self, acceptance: float, available: int) -> int:
+    def best_draft(self, acceptance: float, available: int, generations: int = 1) -> int:
         """The draft length with the most tokens per unit of cost, if that beats a plain step by MIN_GAIN: a
-        verify of k drafts yields 1 + a + ... + a^k tokens on average when each is accepted with probability a."""
+        verify of k drafts yields 1 + a + ... + a^k tokens on average when each is accepted with probability a.
+
+        In a step shared by ``generations`` generations (scheduler.py), a draft's rows cost what they cost in a
+        verify alone, but against this generation's share of the step, about relative[generations - 1] /
+        generations of a lone step: a draft must promise more there."""
+        generations = min(generations, len(self.relative))
+        share = self.relative[generations - 1] / generations
         best, best_rate = 0, MIN_GAIN
         for k in range(1, min(available, len(self.relative) - 1) + 1):
-            rate = sum(acceptance**i for i in range(k + 1)) / self.relative[k]
+            rate = sum(acceptance**i for i in range(k + 1)) / (1 + (self.relative[k] - 1) / share)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -146,9 +152,9 @@ class Drafter:
         prior = PRIOR_ACCEPTANCE[kind] * PRIOR_WEIGHT
         return (self.accepted[kind] + prior) / (self.accepted[kind] + self.missed[kind] + PRIOR_WEIGHT)
 
-    def propose(self, limit: int) -> list[int]:
+    def propose(self, limit: int, generations: int = 1) -> list[int]:
         """Up to ``limit`` tokens to verify after the last one; none when nothing matches or drafting
-        would not pay at the acceptance estimated for the match found."""
+        would not pay at the acceptance estimated for the match found, in a step of this many generations."""
         found = self._continuation() or self._lookup()
         self.follow = None
         if found is None:
@@ -156,7 +162,7 @@ class Drafter:
         self.kind, predicted, end = found
         source = self.prediction if predicted else self.tokens
         available = min(limit, len(source) - end)
-        k = self.costs.best_draft(self.acceptance(self.kind), available)
+        k = self.costs.best_draft(self.acceptance(self.kind), available, generations)
         if predicted:  # what the client said the reply holds: always worth a token's test
             k = max(k, min(1, available))
         if k == 0:

@@ -293,5 +293,6 @@ class Engine:
             self.fault.arm(cancelled) if self.fault else cancelled,
             counters,
             self.speculation,
+            lambda: self.batch.stepped,
         )
         self.batch.add(generation, finish)
