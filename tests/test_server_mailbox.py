@@ -37,3 +37,17 @@ def test_calls_posted_while_the_loop_is_busy_arrive_in_order_in_one_wake_up():
             assert len(wake_ups) == batch + 1  # one per batch: the second found the first delivered
 
     asyncio.run(main())
+
+
+def test_a_call_that_fails_is_logged_and_the_calls_after_it_still_arrive(caplog):
+    async def main():
+        mailbox = Mailbox(IOLoop.current())
+        got = []
+        mailbox.post(got.append, 1)
+        mailbox.post(lambda: 1 / 0)
+        mailbox.post(got.append, 2)
+        await asyncio.sleep(0.05)
+        return got
+
+    assert asyncio.run(main()) == [1, 2]
+    assert "delivery failed" in caplog.text

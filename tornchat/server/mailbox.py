@@ -6,10 +6,13 @@ worker's time, between decode steps, where the loop thread it wakes then
 competes for the GIL. A step of several streams posts one event for each;
 the mailbox wakes the loop once for all that arrive before it runs.
 """
+import logging
 from collections import deque
 from typing import Callable
 
 from tornado.ioloop import IOLoop
+
+log = logging.getLogger("tornchat.server")
 
 
 class Mailbox:
@@ -31,4 +34,7 @@ class Mailbox:
         self.waking = False
         while self.calls:
             fn, args = self.calls.popleft()
-            fn(*args)
+            try:
+                fn(*args)
+            except Exception:  # as add_callback would: logged, and the calls after it still delivered
+                log.exception("an engine event's delivery failed")
