@@ -6,15 +6,19 @@ decode rate (all the streams' generated tokens over the wall time from the
 first request to the last reply's end), the worst time to first token, and
 whether each concurrent reply's text equals the same request sent alone.
 Each server runs with as many slots as the largest count (--parallel /
--np), so a count below it is measured on the same server.
+-np), so a count below it is measured on the same server. With --rounds N
+the counts take turns N times on that server and the table gives medians
+(and ranges) of the rates and of each round's ratio to its own one stream:
+this machine's speed drifts by 10% from one minute to the next.
 
-    python -m bench.parallel [--checkpoint-path FILE.gguf] [--tokens 128] [--threads 2]
+    python -m bench.parallel [--checkpoint-path FILE.gguf] [--tokens 128] [--threads 2] [--rounds 1]
 
 Prints a markdown table; the CPU it ran on comes first.
 """
 import argparse
 import http.client
 import json
+import statistics
 import sys
 import threading
 import time
@@ -69,28 +73,48 @@ def concurrent(port: int, model: str, count: int, tokens: int) -> list[dict]:
     return results
 
 
-def measure(system: e2e.System, port: int, threads: int, tokens: int) -> dict:
+def measure(system: e2e.System, port: int, threads: int, tokens: int, rounds: int = 1) -> dict:
     server = e2e.launch(system, port, threads)
     try:
         servers.wait_ready(server, e2e.STARTUP_TIMEOUT_S)
         solo = [stream(port, system.model, text, tokens) for text in PROMPTS]  # also warms the server up
-        rows = {}
-        for count in COUNTS:
-            replies = concurrent(port, system.model, count, tokens)
-            wall = max(r["ended"] for r in replies) - min(r["started"] for r in replies)
-            rows[count] = {
-                "tokens_per_s": sum(r["tokens"] for r in replies) / wall,
-                "worst_ttft_s": max(r["ttft"] for r in replies),
-                "equal_to_solo": sum(r["text"] == s["text"] for r, s in zip(replies, solo)),
-            }
-        return rows
+        return summarize([{count: one_count(port, system.model, count, tokens, solo) for count in COUNTS}
+                          for _ in range(rounds)])
     finally:
         servers.stop(server)
+
+
+def one_count(port: int, model: str, count: int, tokens: int, solo: list[dict]) -> dict:
+    replies = concurrent(port, model, count, tokens)
+    wall = max(r["ended"] for r in replies) - min(r["started"] for r in replies)
+    return {
+        "tokens_per_s": sum(r["tokens"] for r in replies) / wall,
+        "worst_ttft_s": max(r["ttft"] for r in replies),
+        "equal_to_solo": sum(r["text"] == s["text"] for r, s in zip(replies, solo)),
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Rounds of {count: one_count's row} -> per count: the median rate and its range, the median and range of
+    each round's ratio to that round's one stream, the worst first token of all rounds, and the fewest
+    replies equal to alone in any round."""
+    rows = {}
+    for count in runs[0]:
+        rates = [run[count]["tokens_per_s"] for run in runs]
+        ratios = [run[count]["tokens_per_s"] / run[1]["tokens_per_s"] for run in runs]
+        rows[count] = {
+            "tokens_per_s": statistics.median(rates), "tokens_per_s_range": (min(rates), max(rates)),
+            "vs_one": statistics.median(ratios), "vs_one_range": (min(ratios), max(ratios)),
+            "worst_ttft_s": max(run[count]["worst_ttft_s"] for run in runs),
+            "equal_to_solo": min(run[count]["equal_to_solo"] for run in runs),
+        }
+    return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1, help="the stream counts take turns this many times")
     e2e.add_baseline_arguments(parser)
     args = parser.parse_args()
     model = args.checkpoint_path or checkpoint.default_gguf_path()
@@ -107,14 +131,18 @@ def main() -> int:
         if system.skip:
             print(f"{system.name}: skipped ({system.skip})")
             continue
-        results[system.name] = measure(system, port, args.threads, args.tokens)
-    print(f"\n{model.name}, {args.tokens} new tokens a stream, greedy, {args.threads} threads, {slots} slots\n")
+        results[system.name] = measure(system, port, args.threads, args.tokens, args.rounds)
+    print(f"\n{model.name}, {args.tokens} new tokens a stream, greedy, {args.threads} threads, {slots} slots, "
+          f"{args.rounds} round(s): medians (ranges)\n")
     print("| system | streams | tokens/s (all) | vs 1 stream | worst TTFT | equal to alone |")
     print("|---|---|---|---|---|---|")
     for name, rows in results.items():
         for count, row in rows.items():
-            print(f"| {name} | {count} | {row['tokens_per_s']:.1f} | {row['tokens_per_s'] / rows[1]['tokens_per_s']:.2f}x "
-                  f"| {row['worst_ttft_s']:.2f} s | {row['equal_to_solo']} of {count} |")
+            (low, high), (low_x, high_x) = row["tokens_per_s_range"], row["vs_one_range"]
+            spread = args.rounds > 1
+            print(f"| {name} | {count} | {row['tokens_per_s']:.1f}" + (f" ({low:.1f}-{high:.1f})" if spread else "")
+                  + f" | {row['vs_one']:.2f}x" + (f" ({low_x:.2f}-{high_x:.2f}x)" if spread else "")
+                  + f" | {row['worst_ttft_s']:.2f} s | {row['equal_to_solo']} of {count} |")
     return 0
 
 

@@ -17,3 +17,19 @@ def test_percentile_is_the_nearest_rank():
     assert common.percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 3.0  # rank round(0.5 x 3) = 2 of the sorted values
     assert common.percentile([4.0, 1.0, 3.0, 2.0], 0.0) == 1.0 and common.percentile([5.0], 0.99) == 5.0
     assert common.percentile([], 0.5) is None
+
+
+def test_parallel_rounds_give_medians_and_each_rounds_own_ratio():
+    """bench.parallel --rounds: a round's ratio is to its own one stream (the machine's speed drifts between
+    rounds), the first token the worst of all rounds, replies equal to alone the fewest of any round."""
+    from bench import parallel
+
+    def row(rate, ttft=0.1, equal=1):
+        return {"tokens_per_s": rate, "worst_ttft_s": ttft, "equal_to_solo": equal}
+
+    runs = [{1: row(100.0), 2: row(180.0, 0.2, 2)}, {1: row(200.0), 2: row(300.0, 0.5, 1)}, {1: row(150.0), 2: row(300.0)}]
+    two = parallel.summarize(runs)[2]
+    assert two["tokens_per_s"] == 300.0 and two["tokens_per_s_range"] == (180.0, 300.0)
+    assert two["vs_one"] == 1.8 and two["vs_one_range"] == (1.5, 2.0)  # 1.8, 1.5, 2.0: not 300 / 150
+    assert two["worst_ttft_s"] == 0.5 and two["equal_to_solo"] == 1
+    assert parallel.summarize(runs)[1]["vs_one"] == 1.0
