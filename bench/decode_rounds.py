@@ -54,14 +54,15 @@ def main() -> None:
     tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(model))  # the header only, as bench/e2e.py
     print(f"CPU: {describe()}; {args.threads} threads; {model.name}; tornchat --speculate {args.speculate or 'default'}; llama-server "
           f"{e2e.llama_server_version(llama_server)}")
-    print("| round | tornchat tok/s | llama-server tok/s | ratio |\n|---|---|---|---|")
-    ratios = []
+
     def tornchat(port: int) -> e2e.System:
         system = e2e.tornchat_systems(args.threads, port, model)[0]
         if args.speculate:
             system.command += ["--speculate", args.speculate]
         return system
 
+    print("| round | tornchat tok/s | llama-server tok/s | ratio |\n|---|---|---|---|")
+    ratios = []
     for round_ in range(1, args.rounds + 1):
         ours = decode_rate(tornchat, args.threads, tokenizer)
         theirs = decode_rate(lambda port: e2e.llamacpp_system(args.threads, port, model, llama_server), args.threads,

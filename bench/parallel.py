@@ -136,10 +136,10 @@ def main() -> int:
           f"{args.rounds} round(s): medians (ranges)\n")
     print("| system | streams | tokens/s (all) | vs 1 stream | worst TTFT | equal to alone |")
     print("|---|---|---|---|---|---|")
+    spread = args.rounds > 1  # ranges only where there are rounds to span
     for name, rows in results.items():
         for count, row in rows.items():
             (low, high), (low_x, high_x) = row["tokens_per_s_range"], row["vs_one_range"]
-            spread = args.rounds > 1
             print(f"| {name} | {count} | {row['tokens_per_s']:.1f}" + (f" ({low:.1f}-{high:.1f})" if spread else "")
                   + f" | {row['vs_one']:.2f}x" + (f" ({low_x:.2f}-{high_x:.2f}x)" if spread else "")
                   + f" | {row['worst_ttft_s']:.2f} s | {row['equal_to_solo']} of {count} |")
