@@ -88,7 +88,9 @@ def test_gated_activations_give_the_same_bits_on_every_vector_path_and_alone(dty
 
 @pytest.mark.parametrize("window", [0, 5, 20])  # Gemma 3's sliding windows: inside a key block, across blocks
 @pytest.mark.parametrize("kv_dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 1, 256)])
+# A step's tiles of up to 4 queries sum two chunks of 16 dims per pass on AVX-512, a prefill's of 8 one: 80 dims
+# are two such passes and one single chunk.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 128), (4, 1, 256), (6, 2, 80)])
 def test_attend_is_the_reference_and_each_row_is_as_if_alone(kv_dtype, heads, kv_heads, head_dim, window):
     start, n, capacity = 37, 6, 64
     cache = torch.randn(2, capacity, kv_heads, head_dim).to(kv_dtype)
@@ -115,7 +117,7 @@ def test_attend_is_the_reference_and_each_row_is_as_if_alone(kv_dtype, heads, kv
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (16, 8, 128), (4, 1, 256)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (16, 8, 128), (4, 1, 256), (6, 2, 80)])
 def test_attention_gives_the_same_bits_on_every_vector_path(kv_dtype, heads, kv_heads, head_dim):
     """The AVX2 loops (16 lanes as two vectors of 8, their own tile) make the same fused multiply-adds in the same
     order as the AVX-512 ones, so an AVX2-only machine gets the bits an AVX-512 one gets. The baseline (no fused
