@@ -136,6 +136,33 @@ def test_attention_gives_the_same_bits_on_every_vector_path(kv_dtype, heads, kv_
         torch.testing.assert_close(outs["generic"], outs[paths[0]], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("window", [0, 512])
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+# One KV head's tile of 4 (Gemma 3 1B), 3 tiles of 3 (the 135M), 3 tiles of 8, 8 and 4 queries.
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (9, 3, 64), (20, 1, 64)])
+def test_a_long_cache_shared_between_threads_gives_each_row_its_bits(kv_dtype, heads, kv_heads, head_dim, window):
+    """From 1,024 positions, a step whose few tiles the threads cannot share evenly has each tile's scores,
+    softmax and weighted values shared out apart (attend_many's split); a prefill chunk's many tiles are not.
+    A row gets the same bits either way, and the reference's values."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(heads + head_dim)
+        start, n = 1100, 6
+        cache = (torch.randn(2, (start + n + 15) // 16 * 16, kv_heads, head_dim) * 2).to(kv_dtype)
+        q = (torch.randn(n, heads, head_dim) * 2).to(kv_dtype)
+        keys, values = fused.forward_layout(cache)
+        scale = head_dim ** -0.5
+        together = fused.attend(q, keys, values, start, scale, window)
+        # Averages of values of size ~2 over up to 1,100 positions: the sums' order moves the last bits.
+        torch.testing.assert_close(together, fused.attend_ref(q, cache[0], cache[1], start, scale, window),
+                                   atol=2e-5, rtol=1e-4)
+        for r in range(n):
+            assert torch.equal(fused.attend(q[r : r + 1], keys, values, start + r, scale, window)[0], together[r]), r
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_attention_refuses_a_path_this_cpu_does_not_run():
     keys, values = fused.forward_layout(torch.zeros(2, 16, 1, 64))
     with pytest.raises(RuntimeError, match="isa='vliw' is not an instruction-set path this CPU runs"):
