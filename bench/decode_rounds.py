@@ -10,8 +10,11 @@ the openai SDK); each round's ratio compares neighbours in time, and the
 median over rounds is the figure to report.
 
     python -m bench.decode_rounds [--checkpoint-path FILE.gguf] [--rounds 4] [--threads 2] [--speculate none]
+                                  [--context 4000]
 
 --speculate passes tornchat's option of that name (none: decode without drafts, the kernels' own rate).
+--context N puts about N tokens of notes before each question (workloads.long_messages), so that every step
+attends over a long cache (an agent's turn); llama-server then gets -c N + 1,024.
 """
 import argparse
 import statistics
@@ -26,16 +29,19 @@ from tornchat.engine.cpu import describe
 from tornchat.weights import gguf_file
 
 
-def decode_rate(make_system: Callable[[int], e2e.System], threads: int, tokenizer) -> float:
-    """The median decode tokens/s over the short workload's topics, on a fresh server on a free port."""
+def decode_rate(make_system: Callable[[int], e2e.System], threads: int, tokenizer, context: int = 0) -> float:
+    """The median decode tokens/s over the short workload's topics (after about ``context`` tokens of notes, where
+    given), on a fresh server on a free port."""
     port = free_port()
     system = make_system(port)
     server = e2e.launch(system, port, threads)
     try:
         servers.wait_ready(server, 300)
         client = openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)
-        rates = [e2e.stream_once(client, system.model, workloads.short_messages(i), workloads.FULL.short_max_tokens,
-                                 tokenizer)["decode_tok_s"] for i in range(workloads.FULL.short_repeats)]
+        messages = [workloads.long_messages(i, context, tokenizer) if context else workloads.short_messages(i)
+                    for i in range(workloads.FULL.short_repeats)]
+        rates = [e2e.stream_once(client, system.model, m, workloads.FULL.short_max_tokens, tokenizer)["decode_tok_s"]
+                 for m in messages]
     finally:
         servers.stop(server)
     return statistics.median(rates)
@@ -45,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--speculate", help="tornchat's --speculate (default: its own default)")
+    parser.add_argument("--context", type=int, default=0, help="tokens of notes before each question (default 0)")
     e2e.add_baseline_arguments(parser)
     args = parser.parse_args()
     model = args.checkpoint_path or checkpoint.default_gguf_path()
@@ -53,7 +60,7 @@ def main() -> None:
         raise SystemExit(problem)
     tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(model))  # the header only, as bench/e2e.py
     print(f"CPU: {describe()}; {args.threads} threads; {model.name}; tornchat --speculate {args.speculate or 'default'}; llama-server "
-          f"{e2e.llama_server_version(llama_server)}")
+          f"{e2e.llama_server_version(llama_server)}" + (f"; about {args.context} tokens of context" if args.context else ""))
 
     def tornchat(port: int) -> e2e.System:
         system = e2e.tornchat_systems(args.threads, port, model)[0]
@@ -61,12 +68,13 @@ def main() -> None:
             system.command += ["--speculate", args.speculate]
         return system
 
+    context = max(4096, args.context + 1024)  # llama-server's -c: the notes, the question and the reply
     print("| round | tornchat tok/s | llama-server tok/s | ratio |\n|---|---|---|---|")
     ratios = []
     for round_ in range(1, args.rounds + 1):
-        ours = decode_rate(tornchat, args.threads, tokenizer)
-        theirs = decode_rate(lambda port: e2e.llamacpp_system(args.threads, port, model, llama_server), args.threads,
-                             tokenizer)
+        ours = decode_rate(tornchat, args.threads, tokenizer, args.context)
+        theirs = decode_rate(lambda port: e2e.llamacpp_system(args.threads, port, model, llama_server, context), args.threads,
+                             tokenizer, args.context)
         ratios.append(ours / theirs)
         print(f"| {round_} | {ours:.1f} | {theirs:.1f} | {ratios[-1]:.2f}x |", flush=True)
     print(f"median ratio over {args.rounds} rounds: {statistics.median(ratios):.2f}x "

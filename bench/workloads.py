@@ -78,6 +78,11 @@ def user_message(turn: int, target_tokens: int, tokenizer) -> str:
     return text
 
 
+def long_messages(repeat: int, target_tokens: int, tokenizer) -> list[dict]:
+    """A question after about target_tokens of field notes, its own per repeat: decoding over a long cache."""
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_message(100 + repeat, target_tokens, tokenizer)}]
+
+
 def chat_user_messages(workload: Workload, tokenizer) -> list[str]:
     return [user_message(turn, workload.user_tokens, tokenizer) for turn in range(workload.turns)]
 

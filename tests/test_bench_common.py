@@ -33,3 +33,12 @@ def test_parallel_rounds_give_medians_and_each_rounds_own_ratio():
     assert two["vs_one"] == 1.8 and two["vs_one_range"] == (1.5, 2.0)  # 1.8, 1.5, 2.0: not 300 / 150
     assert two["worst_ttft_s"] == 0.5 and two["equal_to_solo"] == 1
     assert parallel.summarize(runs)[1]["vs_one"] == 1.0
+
+
+def test_long_messages_reach_their_length_and_share_no_notes(tokenizer):
+    from bench import workloads
+
+    first, second = (workloads.long_messages(i, 1000, tokenizer) for i in range(2))
+    assert workloads.prompt_tokens(first, tokenizer) >= 1000
+    # Each repeat its own notes: no server answers one from another's cache past the opening words.
+    assert first[1]["content"].splitlines()[1] != second[1]["content"].splitlines()[1]
