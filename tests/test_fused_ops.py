@@ -138,8 +138,9 @@ def test_attention_gives_the_same_bits_on_every_vector_path(kv_dtype, heads, kv_
 
 @pytest.mark.parametrize("window", [0, 512])
 @pytest.mark.parametrize("kv_dtype", DTYPES)
-# One KV head's tile of 4 (Gemma 3 1B), 3 tiles of 3 (the 135M), 3 tiles of 8, 8 and 4 queries.
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (9, 3, 64), (20, 1, 64)])
+# One KV head's tile of 4 (Gemma 3 1B), 3 tiles of 3 (the 135M), 3 tiles of 8, 8 and 4 queries, 3 tiles of one
+# query (AVX2's tiles of 2 split only there).
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (9, 3, 64), (20, 1, 64), (3, 3, 64)])
 def test_a_long_cache_shared_between_threads_gives_each_row_its_bits(kv_dtype, heads, kv_heads, head_dim, window):
     """From 1,024 positions, a step whose few tiles the threads cannot share evenly has each tile's scores,
     softmax and weighted values shared out apart (attend_many's split); a prefill chunk's many tiles are not.
@@ -153,12 +154,15 @@ def test_a_long_cache_shared_between_threads_gives_each_row_its_bits(kv_dtype, h
         q = (torch.randn(n, heads, head_dim) * 2).to(kv_dtype)
         keys, values = fused.forward_layout(cache)
         scale = head_dim ** -0.5
-        together = fused.attend(q, keys, values, start, scale, window)
-        # Averages of values of size ~2 over up to 1,100 positions: the sums' order moves the last bits.
-        torch.testing.assert_close(together, fused.attend_ref(q, cache[0], cache[1], start, scale, window),
-                                   atol=2e-5, rtol=1e-4)
-        for r in range(n):
-            assert torch.equal(fused.attend(q[r : r + 1], keys, values, start + r, scale, window)[0], together[r]), r
+        reference = fused.attend_ref(q, cache[0], cache[1], start, scale, window)
+        # Each vector path's tiles and passes (generic's tiles of one query are too many to split here).
+        for isa in [isa for isa in blocks.isas() if isa != "generic"] or ["generic"]:
+            together = fused.attend(q, keys, values, start, scale, window, isa)
+            # Averages of values of size ~2 over up to 1,100 positions: the sums' order moves the last bits.
+            torch.testing.assert_close(together, reference, atol=2e-5, rtol=1e-4)
+            for r in range(n):
+                alone = fused.attend(q[r : r + 1], keys, values, start + r, scale, window, isa)[0]
+                assert torch.equal(alone, together[r]), (isa, r)
     finally:
         torch.set_num_threads(threads)
 
