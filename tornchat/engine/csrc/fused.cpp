@@ -448,35 +448,12 @@ inline __attribute__((always_inline)) void weigh_values(const Query* queries, co
     value_chunks<F, T, 1>(queries, values, h, kv_heads, d, scores, span.width, inverse, span.shared, span.first_min, c);
 }
 
-// T queries of KV head h (keys: its first block; values: position 0 of the layer): scores, softmax, weighted
-// values, each query's sums in its own order whatever T is.
-template <typename F, int T, int WIDE, typename Kv>
-inline __attribute__((always_inline)) void attend_tile(const Query* queries, const Kv* keys, const Kv* values,
-                                                       int64_t h, int64_t kv_heads, int64_t d, float scale,
-                                                       float* scores) {
-  const Span span = span_of<T>(queries);
-  score_tile<F, T>(queries, keys, values + h * KEY_BLOCK * d, kv_heads * d * KEY_BLOCK, span.first_block, span.blocks,
-                   d, scale, scores, span.width);
-  float inverse[T];
-  for (int m = 0; m < T; ++m)
-    inverse[m] = softmax_row<F>(scores + m * span.width, span.first_block * KEY_BLOCK, queries[m].first, queries[m].seen);
-  weigh_values<F, T, WIDE>(queries, values, h, kv_heads, d, scores, span, inverse, 0, d / LANES);
-}
-
-// count (1 .. T) queries in one tile.
-template <typename F, int T, int WIDE, typename Kv>
-inline __attribute__((always_inline)) void attend_tiles(const Query* queries, int64_t count, const Kv* keys,
-                                                        const Kv* values, int64_t h, int64_t kv_heads, int64_t d,
-                                                        float scale, float* scores) {
-  if constexpr (T > 1)
-    if (count < T) return attend_tiles<F, T - 1, WIDE>(queries, count, keys, values, h, kv_heads, d, scale, scores);
-  attend_tile<F, T, WIDE>(queries, keys, values, h, kv_heads, d, scale, scores);
-}
-
-// attend_tile's three stages apart, for a tile of count (1 .. T) queries whose scores are shared between threads
-// (attend_many's split): the scores of key blocks from .. to - 1 (clipped to the tile's), query from's softmax
-// (into inverse[from]), or the weighted values of chunks from .. to - 1.
-enum class Stage { scores, softmax, values };
+// A tile of count (1 .. T) queries of KV head h (keys: its first block; values: position 0 of the layer) is
+// attended in three stages: the scores of key blocks from .. to - 1 (clipped to the tile's), query from's
+// softmax (into inverse[from]), the weighted values of chunks from .. to - 1; or all of them in turn (whole:
+// from, to and inverse unused). Each query's sums keep their own order whatever T is and however the stages are
+// split (attend_many runs a tile whole, or shares each stage between threads).
+enum class Stage { whole, scores, softmax, values };
 
 template <typename F, int T, int WIDE, typename Kv>
 inline __attribute__((always_inline)) void tile_stage(Stage stage, const Query* queries, int64_t count,
@@ -488,28 +465,34 @@ inline __attribute__((always_inline)) void tile_stage(Stage stage, const Query* 
       return tile_stage<F, T - 1, WIDE>(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse,
                                         from, to);
   const Span span = span_of<T>(queries);
-  if (stage == Stage::scores)
-    score_tile<F, T>(queries, keys, values + h * KEY_BLOCK * d, kv_heads * d * KEY_BLOCK,
-                     std::max(from, span.first_block), std::min(to, span.blocks), d, scale, scores, span.width);
-  else if (stage == Stage::softmax)
-    inverse[from] = softmax_row<F>(scores + from * span.width, span.first_block * KEY_BLOCK, queries[from].first,
-                                   queries[from].seen);
-  else
+  const auto scores_of = [&](int64_t first, int64_t last) __attribute__((always_inline)) {
+    score_tile<F, T>(queries, keys, values + h * KEY_BLOCK * d, kv_heads * d * KEY_BLOCK, std::max(first, span.first_block),
+                     std::min(last, span.blocks), d, scale, scores, span.width);
+  };
+  const auto softmax = [&](int64_t m) __attribute__((always_inline)) {
+    return softmax_row<F>(scores + m * span.width, span.first_block * KEY_BLOCK, queries[m].first, queries[m].seen);
+  };
+  if (stage == Stage::whole) {
+    float own[T];  // not inverse: a local array the compiler knows no store reaches
+    scores_of(0, span.blocks);
+    for (int m = 0; m < T; ++m) own[m] = softmax(m);
+    weigh_values<F, T, WIDE>(queries, values, h, kv_heads, d, scores, span, own, 0, d / LANES);
+  } else if (stage == Stage::scores) {
+    scores_of(from, to);
+  } else if (stage == Stage::softmax) {
+    inverse[from] = softmax(from);
+  } else {
     weigh_values<F, T, WIDE>(queries, values, h, kv_heads, d, scores, span, inverse, from, to);
+  }
 }
 
-// attend_tiles compiled for each instruction-set path (vec.h), each with its vectors, tile and the tiles that
+// tile_stage compiled for each instruction-set path (vec.h), each with its vectors, tile and the tiles that
 // sum two chunks per pass (WIDE: up to that many queries); the vector paths give the same bits.
 #define ATTEND_ON(NAME, TARGET, F, T, WIDE)                                                                         \
   template <typename Kv>                                                                                            \
-  TARGET void NAME(const Query* queries, int64_t count, const Kv* keys, const Kv* values, int64_t h,                \
-                   int64_t kv_heads, int64_t d, float scale, float* scores) {                                       \
-    attend_tiles<F, T, WIDE>(queries, count, keys, values, h, kv_heads, d, scale, scores);                          \
-  }                                                                                                                 \
-  template <typename Kv>                                                                                            \
-  TARGET void NAME##_stage(Stage stage, const Query* queries, int64_t count, const Kv* keys, const Kv* values,      \
-                           int64_t h, int64_t kv_heads, int64_t d, float scale, float* scores, float* inverse,      \
-                           int64_t from, int64_t to) {                                                              \
+  TARGET void NAME(Stage stage, const Query* queries, int64_t count, const Kv* keys, const Kv* values, int64_t h,   \
+                   int64_t kv_heads, int64_t d, float scale, float* scores, float* inverse, int64_t from,           \
+                   int64_t to) {                                                                                    \
     tile_stage<F, T, WIDE>(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse, from, to);  \
   }
 ATTEND_ON(attend_baseline, , Halves<Halves<Vec4>>, BASELINE_TILE, 0)
@@ -577,26 +560,16 @@ at::Tensor gate(const at::Tensor& gate_up, bool gelu, AttendPath path) {
 }
 
 template <typename Kv>
-void attend_on(AttendPath path, const Query* queries, int64_t count, const Kv* keys, const Kv* values, int64_t h,
-               int64_t kv_heads, int64_t d, float scale, float* scores) {
-#ifdef VEC_X86
-  if (path == AttendPath::avx512) return attend_avx512(queries, count, keys, values, h, kv_heads, d, scale, scores);
-  if (path == AttendPath::avx2) return attend_avx2(queries, count, keys, values, h, kv_heads, d, scale, scores);
-#endif
-  attend_baseline(queries, count, keys, values, h, kv_heads, d, scale, scores);
-}
-
-template <typename Kv>
 void stage_on(AttendPath path, Stage stage, const Query* queries, int64_t count, const Kv* keys, const Kv* values,
               int64_t h, int64_t kv_heads, int64_t d, float scale, float* scores, float* inverse, int64_t from,
               int64_t to) {
 #ifdef VEC_X86
   if (path == AttendPath::avx512)
-    return attend_avx512_stage(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse, from, to);
+    return attend_avx512(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse, from, to);
   if (path == AttendPath::avx2)
-    return attend_avx2_stage(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse, from, to);
+    return attend_avx2(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse, from, to);
 #endif
-  attend_baseline_stage(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse, from, to);
+  attend_baseline(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse, from, to);
 }
 
 // attend_many's split: key blocks a thread scores at a time, and from how many positions a cache is split (its
@@ -677,7 +650,8 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
         int64_t s, h;
         const int64_t count = tile_at(t, tile, s, h);
         with_cache(s, h, [&](const auto* head_keys, const auto* layer_values) {
-          attend_on(path, tile, count, head_keys, layer_values, h, kv_heads, d, float(scale), scores.get());
+          stage_on(path, Stage::whole, tile, count, head_keys, layer_values, h, kv_heads, d, float(scale),
+                   scores.get(), nullptr, 0, 0);
         });
       }
     });
@@ -686,7 +660,7 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
   // Few tiles, not a multiple of the threads (a step of one sequence: a tile per KV head, 3 of them on 2 threads
   // left one thread reading two heads' caches while the other waited): each tile's three stages are shared out
   // in turn, its scores by SPLIT_BLOCKS key blocks, its softmax by query, its weighted values by two chunks of
-  // dims. Every score, weight and sum is attend_tile's: the same bits.
+  // dims. Every score, weight and sum is the same as unsplit: the same bits.
   struct Split {
     Query queries[TILE];
     int64_t count, s, h;
