@@ -1267,19 +1267,22 @@ void tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* co
 // The columns c0..c1 unpacked once per call for the many-row kernels, in panels of 16 columns (the last one
 // repeats the last column): per panel and block, the 16 columns' levels (Q8_0's made unsigned) and their
 // scales ws, wm, lo, hi (scales[block][f * 16 + column]). by_step: levels as [step t][column][4 features], the
-// layout a VPDPBUSD over 16 columns takes; else as [column][32 features], the layout AMX tiles take.
+// layout a VPDPBUSD over 16 columns takes, and the blocks in the order vnni_columns reads them (lane j's blocks
+// j, j + 8, ... one after another: slot j * groups + g, groups * 8 slots a panel), so that the block it
+// prefetches is the next one in memory; else levels as [column][32 features], the layout AMX tiles take, in
+// order of b.
 template <int64_t T>
 void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& levels16, std::vector<float>& scales,
                  bool by_step) {
-  const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16;
-  levels16.resize(panels * nb * 512);
-  scales.resize(panels * nb * 64);
+  const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16, groups = (nb + 7) / 8, slots = by_step ? groups * 8 : nb;
+  levels16.resize(panels * slots * 512);
+  scales.resize(panels * slots * 64);
   for (int64_t p = 0; p < panels; ++p) {
     const uint8_t* w[16];
     for (int i = 0; i < 16; ++i) w[i] = jb.w + std::min(c0 + 16 * p + i, c1 - 1) * jb.row_bytes;
-    uint8_t* lv16 = levels16.data() + p * nb * 512;
-    float* sc16 = scales.data() + p * nb * 64;
-    for (int64_t g = 0; g < (nb + 7) / 8; ++g) {
+    uint8_t* lv16 = levels16.data() + p * slots * 512;
+    float* sc16 = scales.data() + p * slots * 64;
+    for (int64_t g = 0; g < groups; ++g) {
       const int nj = static_cast<int>(std::min<int64_t>(8, nb - g * 8));
       for (int i = 0; i < 16; ++i) {
         __m256 m[4];
@@ -1287,10 +1290,11 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
         alignas(32) float tmp[4][8];
         for (int f = 0; f < 4; ++f) _mm256_store_ps(tmp[f], m[f]);
         for (int j = 0; j < nj; ++j) {
-          for (int f = 0; f < 4; ++f) sc16[(g * 8 + j) * 64 + f * 16 + i] = tmp[f][j];
+          const int64_t slot = by_step ? j * groups + g : g * 8 + j;
+          for (int f = 0; f < 4; ++f) sc16[slot * 64 + f * 16 + i] = tmp[f][j];
           __m256i v = levels<T>(w[i], g, j);
           if (T == Q8_0) v = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
-          uint8_t* block = lv16 + (g * 8 + j) * 512;
+          uint8_t* block = lv16 + slot * 512;
           if (by_step) {
             alignas(32) uint8_t bytes[32];
             _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), v);
@@ -1309,13 +1313,15 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
 // columns of one row and the fp32 work per block is a few instructions for 16 (row, column) chains, not for
 // one. Each chain takes exactly the vector code's fp32 operations, lane j's blocks j, j + 8, ... in order,
 // then the same sum of the 8 lanes: the same bits. Rows in tiles of PANEL_TILE, each panel's levels loaded
-// once per block for the tile's rows.
+// once per block for the tile's rows. A panel (48 KiB at K = 2048) comes from L2 for each tile: the next block's
+// levels and scales are prefetched while one is summed (a 1B's Q4_K products 1.04-1.06x faster, its prefill of
+// 512 rows 0.95x the time; docs/performance.md).
 constexpr int PANEL_TILE = 8;
 
 template <int64_t T>
 void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows) {
   const Acts& a = *jb.a;
-  const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16;
+  const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16, groups = (nb + 7) / 8;
   constexpr int sh = offset_shift(T);
   // what -s is multiplied by to start a block's dot: the offset the levels carry (Q8_0's 128: made unsigned)
   constexpr int32_t offset = sh >= 0 ? 1 << sh : T == Q8_0 ? 128 : 0;
@@ -1330,15 +1336,18 @@ void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows) {
   alignas(64) float result[8][PANEL_TILE][16];  // [lane j][row][column]
   for (int64_t r0 = 0; r0 < rows; r0 += PANEL_TILE)
     for (int64_t p = 0; p < panels; ++p) {
-      const uint8_t* lv16 = levels16.data() + p * nb * 512;
-      const float* sc16 = scales.data() + p * nb * 64;
+      const uint8_t* lv16 = levels16.data() + p * groups * 8 * 512;
+      const float* sc16 = scales.data() + p * groups * 8 * 64;
       for (int j = 0; j < 8; ++j) {
         __m512 acc[PANEL_TILE];
         for (int m = 0; m < PANEL_TILE; ++m) acc[m] = _mm512_setzero_ps();
         for (int64_t b = j; b < nb; b += 8) {
+          const int64_t slot = j * groups + b / 8;  // pack_panels' order: the next slot is the next block read
           __m512i lv[8];
-          for (int t = 0; t < 8; ++t) lv[t] = _mm512_loadu_si512(lv16 + b * 512 + 64 * t);
-          const float* sc = sc16 + b * 64;
+          for (int t = 0; t < 8; ++t) lv[t] = _mm512_loadu_si512(lv16 + slot * 512 + 64 * t);
+          const float* sc = sc16 + slot * 64;
+          for (int t = 0; t < 8; ++t) _mm_prefetch(reinterpret_cast<const char*>(lv16 + (slot + 1) * 512 + 64 * t), _MM_HINT_T0);
+          for (int t = 0; t < 4; ++t) _mm_prefetch(reinterpret_cast<const char*>(sc16 + (slot + 1) * 64 + 16 * t), _MM_HINT_T0);
           const __m512 ws = _mm512_loadu_ps(sc), wm = _mm512_loadu_ps(sc + 16);
           const __m512 lo = _mm512_loadu_ps(sc + 32), hi = _mm512_loadu_ps(sc + 48);
 #pragma GCC unroll 8
