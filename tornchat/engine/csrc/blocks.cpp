@@ -1314,8 +1314,9 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
 // one. Each chain takes exactly the vector code's fp32 operations, lane j's blocks j, j + 8, ... in order,
 // then the same sum of the 8 lanes: the same bits. Rows in tiles of PANEL_TILE, each panel's levels loaded
 // once per block for the tile's rows. A panel (48 KiB at K = 2048) comes from L2 for each tile: the next block's
-// levels and scales are prefetched while one is summed (a 1B's Q4_K products 1.04-1.06x faster, its prefill of
-// 512 rows 0.95x the time; docs/performance.md).
+// levels and scales are prefetched while one is summed (2026-11-27, AMD Zen 5: Q4_K products at K = 2048-2560
+// 1.03-1.08x faster, Q4_K and Q6_K at K = 4096-9728 0.95-1.00x; a 1B's 512-row prefill chunk 0.95-0.98x the time;
+// docs/performance.md).
 constexpr int PANEL_TILE = 8;
 
 template <int64_t T>
