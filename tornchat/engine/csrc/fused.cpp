@@ -16,10 +16,10 @@
 
 #include <algorithm>
 #include <array>
-#include <memory>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -422,10 +422,9 @@ struct Span {
   int64_t first_min, first_block, blocks, width, shared;
 };
 
-template <int T>
-inline __attribute__((always_inline)) Span span_of(const Query* queries) {
+inline __attribute__((always_inline)) Span span_of(const Query* queries, int64_t count) {
   int64_t seen_max = 0, seen_min = queries[0].seen, first_min = queries[0].first;
-  for (int m = 0; m < T; ++m) {
+  for (int64_t m = 0; m < count; ++m) {
     seen_max = std::max(seen_max, queries[m].seen), seen_min = std::min(seen_min, queries[m].seen);
     first_min = std::min(first_min, queries[m].first);
   }
@@ -464,7 +463,7 @@ inline __attribute__((always_inline)) void tile_stage(Stage stage, const Query* 
     if (count < T)
       return tile_stage<F, T - 1, WIDE>(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse,
                                         from, to);
-  const Span span = span_of<T>(queries);
+  const Span span = span_of(queries, T);
   const auto scores_of = [&](int64_t first, int64_t last) __attribute__((always_inline)) {
     score_tile<F, T>(queries, keys, values + h * KEY_BLOCK * d, kv_heads * d * KEY_BLOCK, std::max(first, span.first_block),
                      std::min(last, span.blocks), d, scale, scores, span.width);
@@ -672,10 +671,8 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
   for (int64_t t = 0; t < tile_count; ++t) {
     Split& tile = split[t];
     tile.count = tile_at(t, tile.queries, tile.s, tile.h);
-    int64_t first = tile.queries[0].first, seen = 0;  // span_of's first_min and seen_max
-    for (int64_t m = 0; m < tile.count; ++m)
-      first = std::min(first, tile.queries[m].first), seen = std::max(seen, tile.queries[m].seen);
-    for (int64_t b = first / KEY_BLOCK; b * KEY_BLOCK < seen; b += SPLIT_BLOCKS) score_jobs.push_back({t, b});
+    const Span span = span_of(tile.queries, tile.count);
+    for (int64_t b = span.first_block; b < span.blocks; b += SPLIT_BLOCKS) score_jobs.push_back({t, b});
     for (int64_t m = 0; m < tile.count; ++m) softmax_jobs.push_back({t, m});
     for (int64_t c = 0; c < d / LANES; c += 2) value_jobs.push_back({t, c});
   }
