@@ -132,8 +132,8 @@ struct Acts {
   std::vector<float> ds;  // [rows, nbp]: d * s (fp32), zero past nb
   std::vector<int32_t> neg_sums;  // [rows, nbp]: -s
   std::vector<int32_t> neg_first, neg_second;  // [rows, nbp]: minus the sums of q over features 0-15, 16-31
-  // The amx path's, per 16 rows (rows / 16 tiles) and block: q as its tiles take it, [t][row][4 features]
-  // (512 bytes), and d, d * s, -s, -(first 16), -(second 16) of the 16 rows
+  // The panels' (amx_columns, vnni_columns), per 16 rows (rows / 16 tiles) and block: q as AMX tiles take it,
+  // [t][row][4 features] (512 bytes), and d, d * s, -s, -(first 16), -(second 16) of the 16 rows
   std::vector<int8_t> qv;
   std::vector<float> tile_d, tile_ds;
   std::vector<int32_t> tile_sums, tile_first, tile_second;
@@ -141,7 +141,7 @@ struct Acts {
   std::vector<int32_t> tile_sums3, tile_sums4, tile_sums7, tile_first5, tile_second5;
 };
 
-// Fills the amx path's part of a (the rows / 16 whole tiles of 16 rows).
+// Fills the panels' part of a (the rows / 16 whole tiles of 16 rows).
 inline void tile_rows(Acts& a) {
   const int64_t tiles = a.rows / 16;
   a.qv.resize(tiles * a.nb * 512);
@@ -530,19 +530,19 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
   }
   if (rows == 0 || n_total == 0) return out;
   thread_local Acts acts;  // the calling thread's buffers, kept from call to call
+  // the amx path, and avx512vnni from PANEL_ROWS rows, unpack the columns into panels once for every 16 rows
+  const bool panels = any_quant && ((isa == Isa::amx && rows >= 16) || (isa == Isa::avx512vnni && rows >= PANEL_ROWS));
   if (any_quant) quantize_rows(xf.data_ptr<float>(), rows, k, acts, isa);
-  if (any_quant && isa == Isa::amx && rows >= 16) tile_rows(acts);
+  if (panels) tile_rows(acts);
   acts.rows = rows, acts.k = k;
 
   // Chunks of columns, each within one part, that the threads share: wider where columns are unpacked into
-  // panels once for all the rows (the amx path, and avx512vnni from PANEL_ROWS rows), as long as a chunk's panels
-  // (a byte of level and half a byte of scales a weight) stay within 512 KiB, half a small L2 cache, since every
-  // 8 or 16 rows read them again: 128 columns of Qwen3 4B's down projection (K = 9728) came from L3 (512 rows,
-  // 2026-11-27, Zen 5: 739-750 GOPS at 128 columns, 853-934 at 32).
-  const bool panels = any_quant && ((isa == Isa::amx && rows >= 16) || (isa == Isa::avx512vnni && rows >= PANEL_ROWS));
+  // panels, as long as a chunk's panels (a byte of level and a quarter byte of scales a weight) stay within
+  // 512 KiB, half a small L2 cache, since every 16 rows read them again: 128 columns of Qwen3 4B's down
+  // projection (K = 9728) came from L3 (512 rows, 2026-11-27, Zen 5: 739-750 GOPS at 128 columns, 853-934 at 32).
   int64_t CHUNK = 32;
   if (panels)
-    for (CHUNK = 128; CHUNK > 32 && CHUNK * k * 3 / 2 > (512 << 10);) CHUNK /= 2;
+    for (CHUNK = 128; CHUNK > 32 && CHUNK * k * 5 / 4 > (512 << 10);) CHUNK /= 2;
   std::vector<Job> jobs;
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (job, first column)
   int64_t offset = 0;
@@ -1265,8 +1265,10 @@ void tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* co
 
 #if PASS_VNNI == 2
 // The columns c0..c1 unpacked once per call for the many-row kernels, in panels of 16 columns (the last one
-// repeats the last column): per panel and block, the 16 columns' levels (Q8_0's made unsigned) and their
-// scales ws, wm, lo, hi (scales[block][f * 16 + column]). by_step: levels as [step t][column][4 features], the
+// repeats the last column): per panel and block, the 16 columns' levels (Q8_0's made unsigned) and the two
+// scales their type uses, ws and wm (Q6_K: lo and hi), as scales[block][f * 16 + column], f = 0, 1: a quarter
+// of the panel's bytes, not a third as all four were (2026-11-28, Zen 5: 1.01-1.04x the products at 16 rows a
+// tile, 1B and Qwen3 4B matrices). by_step: levels as [step t][column][4 features], the
 // layout a VPDPBUSD over 16 columns takes, and the blocks in the order vnni_columns reads them (lane j's blocks
 // j, j + 8, ... one after another: slot j * groups + g, groups * 8 slots a panel), so that the block it
 // prefetches is the next one in memory; else levels as [column][32 features], the layout AMX tiles take, in
@@ -1276,12 +1278,12 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
                  bool by_step) {
   const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16, groups = (nb + 7) / 8, slots = by_step ? groups * 8 : nb;
   levels16.resize(panels * slots * 512);
-  scales.resize(panels * slots * 64);
+  scales.resize(panels * slots * 32);
   for (int64_t p = 0; p < panels; ++p) {
     const uint8_t* w[16];
     for (int i = 0; i < 16; ++i) w[i] = jb.w + std::min(c0 + 16 * p + i, c1 - 1) * jb.row_bytes;
     uint8_t* lv16 = levels16.data() + p * slots * 512;
-    float* sc16 = scales.data() + p * slots * 64;
+    float* sc16 = scales.data() + p * slots * 32;
     for (int64_t g = 0; g < groups; ++g) {
       const int nj = static_cast<int>(std::min<int64_t>(8, nb - g * 8));
       for (int i = 0; i < 16; ++i) {
@@ -1291,7 +1293,7 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
         for (int f = 0; f < 4; ++f) _mm256_store_ps(tmp[f], m[f]);
         for (int j = 0; j < nj; ++j) {
           const int64_t slot = by_step ? j * groups + g : g * 8 + j;
-          for (int f = 0; f < 4; ++f) sc16[slot * 64 + f * 16 + i] = tmp[f][j];
+          for (int f = 0; f < 2; ++f) sc16[slot * 32 + f * 16 + i] = tmp[T == Q6_K ? f + 2 : f][j];
           __m256i v = levels<T>(w[i], g, j);
           if (T == Q8_0) v = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
           uint8_t* block = lv16 + slot * 512;
@@ -1312,69 +1314,74 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
 // 16 columns (pack_panels, by step) against one row's 4 activations broadcast, so that its 16 lanes are 16
 // columns of one row and the fp32 work per block is a few instructions for 16 (row, column) chains, not for
 // one. Each chain takes exactly the vector code's fp32 operations, lane j's blocks j, j + 8, ... in order,
-// then the same sum of the 8 lanes: the same bits. Rows in tiles of PANEL_TILE, each panel's levels loaded
-// once per block for the tile's rows. A panel (48 KiB at K = 2048) comes from L2 for each tile: the next block's
-// levels and scales are prefetched while one is summed (2026-11-27, AMD Zen 5: Q4_K products at K = 2048-2560
-// 1.03-1.08x faster, Q4_K and Q6_K at K = 4096-9728 0.95-1.00x; a 1B's 512-row prefill chunk 0.95-0.98x the time;
-// docs/performance.md).
-constexpr int PANEL_TILE = 8;
-
+// then the same sum of the 8 lanes: the same bits. Rows in tiles of 16 with their activations as the amx path
+// takes them (tile_rows: the 16 rows' words of a block at fixed offsets from one pointer), so that the tile's
+// 16 accumulators, a block's 8 level vectors and its scales stay in registers; a panel (40 KiB at K = 2048)
+// comes from L2 once per 16 rows, its next block prefetched while one is summed. A block's dot runs as two
+// chains of 4 VPDPBUSD, added (exact int32), not one of 8. 2026-11-28, AMD Zen 5, against 8-row tiles with
+// row pointers and a chain of 8: Q4_K products 1.07-1.12x faster, Q6_K 1.23-1.24x; a 1B's 512-row prefill
+// chunk 0.91x the time, Qwen3 4B's 0.90x (docs/performance.md).
 template <int64_t T>
-void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows) {
+void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
   const Acts& a = *jb.a;
   const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16, groups = (nb + 7) / 8;
   constexpr int sh = offset_shift(T);
-  // what -s is multiplied by to start a block's dot: the offset the levels carry (Q8_0's 128: made unsigned)
-  constexpr int32_t offset = sh >= 0 ? 1 << sh : T == Q8_0 ? 128 : 0;
+  // what a block's dot starts from: minus the rows' sums times the offset the levels carry (Q8_0's 128: made
+  // unsigned; Q6_K per 16 features), none where the type has a minimum instead
+  const int32_t* start = T == Q6_K ? a.tile_first5.data() : sh == 3 ? a.tile_sums3.data() :
+                         sh == 4 ? a.tile_sums4.data() : T == Q8_0 ? a.tile_sums7.data() : nullptr;
+  const int32_t* start2 = a.tile_second5.data();
   thread_local std::vector<uint8_t> levels16;
   thread_local std::vector<float> scales;
   pack_panels<T>(jb, c0, c1, levels16, scales, true);
-  const auto word = [&](int64_t r, int64_t b, int t) {  // one row's activations 4t..4t+3 of block b, broadcast
-    int32_t w;
-    std::memcpy(&w, a.q.data() + r * a.k + b * QK + 4 * t, 4);
-    return _mm512_set1_epi32(w);
-  };
-  alignas(64) float result[8][PANEL_TILE][16];  // [lane j][row][column]
-  for (int64_t r0 = 0; r0 < rows; r0 += PANEL_TILE)
+  alignas(64) float result[8][16][16];  // [lane j][row][column]
+  for (int64_t r0 = 0; r0 < rows16; r0 += 16)
     for (int64_t p = 0; p < panels; ++p) {
       const uint8_t* lv16 = levels16.data() + p * groups * 8 * 512;
-      const float* sc16 = scales.data() + p * groups * 8 * 64;
+      const float* sc16 = scales.data() + p * groups * 8 * 32;
       for (int j = 0; j < 8; ++j) {
-        __m512 acc[PANEL_TILE];
-        for (int m = 0; m < PANEL_TILE; ++m) acc[m] = _mm512_setzero_ps();
+        __m512 acc[16];
+        for (int m = 0; m < 16; ++m) acc[m] = _mm512_setzero_ps();
         for (int64_t b = j; b < nb; b += 8) {
           const int64_t slot = j * groups + b / 8;  // pack_panels' order: the next slot is the next block read
           __m512i lv[8];
           for (int t = 0; t < 8; ++t) lv[t] = _mm512_loadu_si512(lv16 + slot * 512 + 64 * t);
-          const float* sc = sc16 + slot * 64;
+          const float* sc = sc16 + slot * 32;
           for (int t = 0; t < 8; ++t) _mm_prefetch(reinterpret_cast<const char*>(lv16 + (slot + 1) * 512 + 64 * t), _MM_HINT_T0);
-          for (int t = 0; t < 4; ++t) _mm_prefetch(reinterpret_cast<const char*>(sc16 + (slot + 1) * 64 + 16 * t), _MM_HINT_T0);
-          const __m512 ws = _mm512_loadu_ps(sc), wm = _mm512_loadu_ps(sc + 16);
-          const __m512 lo = _mm512_loadu_ps(sc + 32), hi = _mm512_loadu_ps(sc + 48);
-#pragma GCC unroll 8
-          for (int m = 0; m < PANEL_TILE; ++m) {
-            const int64_t r = r0 + m, at = r * a.nbp + b;
-            const __m512 d = _mm512_set1_ps(a.d[at]);
+          for (int t = 0; t < 2; ++t) _mm_prefetch(reinterpret_cast<const char*>(sc16 + (slot + 1) * 32 + 16 * t), _MM_HINT_T0);
+          const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16);  // ws, wm (Q6_K: lo, hi)
+          const int64_t to = (r0 / 16 * nb + b) * 16;  // the tile's block b in tile_rows' arrays
+          const int8_t* q = a.qv.data() + to * 32;
+          const float* d = a.tile_d.data() + to;
+          const float* ds = a.tile_ds.data() + to;
+#pragma GCC unroll 16
+          for (int m = 0; m < 16; ++m) {
+            const auto word = [&](int t) {  // row m's activations 4t..4t+3 of block b, broadcast
+              int32_t w;
+              std::memcpy(&w, q + 64 * t + 4 * m, 4);
+              return _mm512_set1_epi32(w);
+            };
+            const __m512 dm = _mm512_set1_ps(d[m]);
+            __m512i first = _mm512_setzero_si512(), second = _mm512_setzero_si512();
+            if constexpr (sh >= 0 || T == Q8_0) first = _mm512_set1_epi32(start[to + m]);
+            if constexpr (T == Q6_K) second = _mm512_set1_epi32(start2[to + m]);
+            for (int t = 0; t < 4; ++t) first = _mm512_dpbusd_epi32(first, lv[t], word(t));
+            for (int t = 4; t < 8; ++t) second = _mm512_dpbusd_epi32(second, lv[t], word(t));
             if constexpr (T == Q6_K) {
-              __m512i first = _mm512_set1_epi32(a.neg_first[at] * offset);
-              __m512i second = _mm512_set1_epi32(a.neg_second[at] * offset);
-              for (int t = 0; t < 4; ++t) first = _mm512_dpbusd_epi32(first, lv[t], word(r, b, t));
-              for (int t = 4; t < 8; ++t) second = _mm512_dpbusd_epi32(second, lv[t], word(r, b, t));
-              acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), _mm512_mul_ps(lo, d), acc[m]);
-              acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_mul_ps(hi, d), acc[m]);
+              acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), _mm512_mul_ps(s0, dm), acc[m]);
+              acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_mul_ps(s1, dm), acc[m]);
             } else {
-              __m512i sum = _mm512_set1_epi32(a.neg_sums[at] * offset);
-              for (int t = 0; t < 8; ++t) sum = _mm512_dpbusd_epi32(sum, lv[t], word(r, b, t));
-              acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(ws, d), acc[m]);
+              const __m512i sum = _mm512_add_epi32(first, second);
+              acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s0, dm), acc[m]);
             }
-            if constexpr (has_min(T)) acc[m] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.ds[at]), acc[m]);
+            if constexpr (has_min(T)) acc[m] = _mm512_fmadd_ps(s1, _mm512_set1_ps(ds[m]), acc[m]);
           }
         }
-        for (int m = 0; m < PANEL_TILE; ++m) _mm512_store_ps(result[j][m], acc[m]);
+        for (int m = 0; m < 16; ++m) _mm512_store_ps(result[j][m], acc[m]);
       }
       const int64_t c = c0 + 16 * p;
       const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, c1 - c)) - 1);
-      for (int m = 0; m < PANEL_TILE; ++m) {
+      for (int m = 0; m < 16; ++m) {
 #define l(j) _mm512_load_ps(result[j][m])
         const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l(0), l(4)), _mm512_add_ps(l(2), l(6))),
                                          _mm512_add_ps(_mm512_add_ps(l(1), l(5)), _mm512_add_ps(l(3), l(7))));
@@ -1410,7 +1417,7 @@ AMX_TARGET void amx_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows1
   constexpr int sh = offset_shift(T);
   const int64_t panels = (c1 - c0 + 15) / 16;
   thread_local std::vector<uint8_t> levels16;  // per panel of 16 columns and block: 16 columns x 32 levels
-  thread_local std::vector<float> scales;  // per panel and block: ws, wm, lo, hi of each column
+  thread_local std::vector<float> scales;  // per panel and block: ws, wm (Q6_K: lo, hi) of each column
   pack_panels<T>(jb, c0, c1, levels16, scales, false);
   // TDPBUSD: a dots tile [16 columns][16 rows] int32 (from zero; the rows' -offset * sums are added in the
   // fp32 loop) += a levels tile (unsigned: [16 columns][32 or 16 features]) times an
@@ -1467,7 +1474,7 @@ AMX_TARGET void amx_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows1
     for (int64_t p = 0; p < panels; ++p) {
     const int64_t tile = r0 / 16, c = c0 + 16 * p;
     const int valid = static_cast<int>(std::min<int64_t>(16, c1 - c));
-    const float* sc16 = scales.data() + p * nb * 64;
+    const float* sc16 = scales.data() + p * nb * 32;
     // Lane j's chain takes blocks j, j + 8, ... in order: one lane at a time keeps its 16 columns' chains
     // in registers.
     for (int j = 0; j < 8; ++j) {
@@ -1483,7 +1490,7 @@ AMX_TARGET void amx_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows1
         const int32_t* dot1 = dots[turn][1];
         const int64_t to = (tile * nb + b) * 16;
         const __m512 d = _mm512_loadu_ps(a.tile_d.data() + to);
-        const float* sc = sc16 + b * 64;
+        const float* sc = sc16 + b * 32;
         __m512i offset = _mm512_setzero_si512(), offset2 = _mm512_setzero_si512();
         if constexpr (T == Q6_K) {
           offset = _mm512_loadu_si512(start + to);
@@ -1496,8 +1503,8 @@ AMX_TARGET void amx_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows1
           if constexpr (T == Q6_K) {
             const __m512i first = _mm512_add_epi32(_mm512_load_si512(dot0 + 16 * n), offset);
             const __m512i second = _mm512_add_epi32(_mm512_load_si512(dot1 + 16 * n), offset2);
-            acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), _mm512_mul_ps(_mm512_set1_ps(sc[32 + n]), d), acc[n]);
-            acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_mul_ps(_mm512_set1_ps(sc[48 + n]), d), acc[n]);
+            acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(first), _mm512_mul_ps(_mm512_set1_ps(sc[n]), d), acc[n]);
+            acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(second), _mm512_mul_ps(_mm512_set1_ps(sc[16 + n]), d), acc[n]);
           } else {
             const __m512i dot = _mm512_add_epi32(_mm512_load_si512(dot0 + 16 * n), offset);
             acc[n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(_mm512_set1_ps(sc[n]), d), acc[n]);
@@ -1538,7 +1545,7 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
 #if PASS_VNNI == 2
   if constexpr (!is_float(T)) {
     if (!jb.amx && nrows >= PANEL_ROWS) {
-      first_row = nrows / PANEL_TILE * PANEL_TILE;
+      first_row = nrows / 16 * 16;
       vnni_columns<T>(jb, c0, c1, first_row);
     }
   }
