@@ -133,11 +133,10 @@ struct Acts {
   std::vector<int32_t> neg_sums;  // [rows, nbp]: -s
   std::vector<int32_t> neg_first, neg_second;  // [rows, nbp]: minus the sums of q over features 0-15, 16-31
   // The panels' (amx_columns, vnni_columns), per 16 rows (rows / 16 tiles) and block: q as AMX tiles take it,
-  // [t][row][4 features] (512 bytes), and d, d * s, -s, -(first 16), -(second 16) of the 16 rows
+  // [t][row][4 features] (512 bytes), d and d * s of the 16 rows, and -s, -(first 16), -(second 16) times the
+  // offsets the types subtract (8, 16, 128; Q6_K's 32), added to the dots
   std::vector<int8_t> qv;
   std::vector<float> tile_d, tile_ds;
-  std::vector<int32_t> tile_sums, tile_first, tile_second;
-  // the same sums times the offsets the types subtract (8, 16, 128; Q6_K's 32), added to the tiles' dots
   std::vector<int32_t> tile_sums3, tile_sums4, tile_sums7, tile_first5, tile_second5;
 };
 
@@ -146,8 +145,7 @@ inline void tile_rows(Acts& a) {
   const int64_t tiles = a.rows / 16;
   a.qv.resize(tiles * a.nb * 512);
   for (auto* v : {&a.tile_d, &a.tile_ds}) v->resize(tiles * a.nb * 16);
-  for (auto* v : {&a.tile_sums, &a.tile_first, &a.tile_second, &a.tile_sums3, &a.tile_sums4, &a.tile_sums7,
-                  &a.tile_first5, &a.tile_second5})
+  for (auto* v : {&a.tile_sums3, &a.tile_sums4, &a.tile_sums7, &a.tile_first5, &a.tile_second5})
     v->resize(tiles * a.nb * 16);
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t tile = t0; tile < t1; ++tile)
@@ -157,7 +155,6 @@ inline void tile_rows(Acts& a) {
           const int64_t r = tile * 16 + m, at = r * a.nbp + b, to = (tile * a.nb + b) * 16 + m;
           for (int t = 0; t < 8; ++t) std::memcpy(dst + 64 * t + 4 * m, a.q.data() + r * a.k + b * QK + 4 * t, 4);
           a.tile_d[to] = a.d[at], a.tile_ds[to] = a.ds[at];
-          a.tile_sums[to] = a.neg_sums[at], a.tile_first[to] = a.neg_first[at], a.tile_second[to] = a.neg_second[at];
           a.tile_sums3[to] = a.neg_sums[at] * 8, a.tile_sums4[to] = a.neg_sums[at] * 16;
           a.tile_sums7[to] = a.neg_sums[at] * 128;
           a.tile_first5[to] = a.neg_first[at] * 32, a.tile_second5[to] = a.neg_second[at] * 32;
