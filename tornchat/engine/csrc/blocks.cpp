@@ -1276,6 +1276,9 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
   const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16, groups = (nb + 7) / 8, slots = by_step ? groups * 8 : nb;
   levels16.resize(panels * slots * 512);
   scales.resize(panels * slots * 32);
+  // 16 columns' 8 values each (a group's blocks, or a block's 4-feature words) as 8 vectors holding columns i and
+  // i + 8, transposed: vector j then holds value j of columns 0 .. 15 in order, the panels' rows.
+  const auto pair = [](__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); };
   for (int64_t p = 0; p < panels; ++p) {
     const uint8_t* w[16];
     for (int i = 0; i < 16; ++i) w[i] = jb.w + std::min(c0 + 16 * p + i, c1 - 1) * jb.row_bytes;
@@ -1283,24 +1286,35 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
     float* sc16 = scales.data() + p * slots * 32;
     for (int64_t g = 0; g < groups; ++g) {
       const int nj = static_cast<int>(std::min<int64_t>(8, nb - g * 8));
-      for (int i = 0; i < 16; ++i) {
-        __m256 m[4];
-        meta<T>(w[i], g, nj, m[0], m[1], m[2], m[3]);
-        alignas(32) float tmp[4][8];
-        for (int f = 0; f < 4; ++f) _mm256_store_ps(tmp[f], m[f]);
-        for (int j = 0; j < nj; ++j) {
-          const int64_t slot = by_step ? j * groups + g : g * 8 + j;
-          for (int f = 0; f < 2; ++f) sc16[slot * 32 + f * 16 + i] = tmp[T == Q6_K ? f + 2 : f][j];
+      const auto slot = [&](int j) { return by_step ? j * groups + g : g * 8 + j; };
+      __m512i first[8], second[8];  // ws, wm (Q6_K: lo, hi)
+      for (int i = 0; i < 8; ++i) {
+        __m256 a[4], b[4];
+        meta<T>(w[i], g, nj, a[0], a[1], a[2], a[3]);
+        meta<T>(w[i + 8], g, nj, b[0], b[1], b[2], b[3]);
+        constexpr int f = T == Q6_K ? 2 : 0;
+        first[i] = pair(_mm256_castps_si256(a[f]), _mm256_castps_si256(b[f]));
+        second[i] = pair(_mm256_castps_si256(a[f + 1]), _mm256_castps_si256(b[f + 1]));
+      }
+      transpose8x2(first);
+      transpose8x2(second);
+      for (int j = 0; j < nj; ++j) {
+        _mm512_storeu_si512(sc16 + slot(j) * 32, first[j]);
+        _mm512_storeu_si512(sc16 + slot(j) * 32 + 16, second[j]);
+      }
+      for (int j = 0; j < nj; ++j) {
+        uint8_t* block = lv16 + slot(j) * 512;
+        const auto unsigned_levels = [&](int i) {
           __m256i v = levels<T>(w[i], g, j);
-          if (T == Q8_0) v = _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
-          uint8_t* block = lv16 + slot * 512;
-          if (by_step) {
-            alignas(32) uint8_t bytes[32];
-            _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), v);
-            for (int t = 0; t < 8; ++t) std::memcpy(block + 64 * t + 4 * i, bytes + 4 * t, 4);
-          } else {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(block + 32 * i), v);
-          }
+          return T == Q8_0 ? _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))) : v;
+        };
+        if (by_step) {
+          __m512i v[8];
+          for (int i = 0; i < 8; ++i) v[i] = pair(unsigned_levels(i), unsigned_levels(i + 8));
+          transpose8x2(v);
+          for (int t = 0; t < 8; ++t) _mm512_storeu_si512(block + 64 * t, v[t]);
+        } else {
+          for (int i = 0; i < 16; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(block + 32 * i), unsigned_levels(i));
         }
       }
     }
