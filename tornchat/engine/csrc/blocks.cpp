@@ -1263,8 +1263,8 @@ void tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* co
 #if PASS_VNNI == 2
 // The columns c0..c1 unpacked once per call for the many-row kernels, in panels of 16 columns (the last one
 // repeats the last column): per panel and block, the 16 columns' levels (Q8_0's made unsigned) and the two
-// scales their type uses, ws and wm (Q6_K: lo and hi), as scales[block][f * 16 + column], f = 0, 1: a quarter
-// of the panel's bytes, not a third as all four were (2026-11-28, Zen 5: 1.01-1.04x the products at 16 rows a
+// scales their type uses, ws and wm (Q6_K: lo and hi), as scales[block][f * 16 + column], f = 0, 1: a fifth
+// of the panel's bytes, not a third as all four were (2026-11-27, Zen 5: 1.01-1.04x the products at 16 rows a
 // tile, 1B and Qwen3 4B matrices). by_step: levels as [step t][column][4 features], the
 // layout a VPDPBUSD over 16 columns takes, and the blocks in the order vnni_columns reads them (lane j's blocks
 // j, j + 8, ... one after another: slot j * groups + g, groups * 8 slots a panel), so that the block it
@@ -1329,8 +1329,8 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
 // takes them (tile_rows: the 16 rows' words of a block at fixed offsets from one pointer), so that the tile's
 // 16 accumulators, a block's 8 level vectors and its scales stay in registers; a panel (40 KiB at K = 2048)
 // comes from L2 once per 16 rows, its next block prefetched while one is summed. A block's dot runs as two
-// chains of 4 VPDPBUSD, added (exact int32), not one of 8. 2026-11-28, AMD Zen 5, against 8-row tiles with
-// row pointers and a chain of 8: Q4_K products 1.07-1.12x faster, Q6_K 1.23-1.24x; a 1B's 512-row prefill
+// chains of 4 VPDPBUSD, added (exact int32), not one of 8. 2026-11-27, AMD Zen 5, against 8-row tiles with
+// row pointers and a chain of 8: Q4_K products 1.07-1.12x faster, Q6_K 1.20-1.24x; a 1B's 512-row prefill
 // chunk 0.91x the time, Qwen3 4B's 0.90x (docs/performance.md).
 template <int64_t T>
 void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
