@@ -927,6 +927,9 @@ inline __attribute__((always_inline)) void transpose8x2(__m512i* v) {
 inline __attribute__((always_inline)) __m512 join(__m256 a, __m256 b) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
 }
+inline __attribute__((always_inline)) __m512i join(__m256i a, __m256i b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+}
 
 inline __attribute__((always_inline)) __m512i wide(const void* p) {  // 32 bytes in both halves
   return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -1020,9 +1023,7 @@ inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* 
     meta2<T>(w[2 * p], w[2 * p + 1], g, nj, ws2[p], wm2[p], lo2[p], hi2[p]);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j)
-      v[p][j] = j < nj ? _mm512_inserti64x4(_mm512_castsi256_si512(levels<T>(w[2 * p], g, j)),
-                                            levels<T>(w[2 * p + 1], g, j), 1)
-                       : _mm512_setzero_si512();
+      v[p][j] = j < nj ? join(levels<T>(w[2 * p], g, j), levels<T>(w[2 * p + 1], g, j)) : _mm512_setzero_si512();
     transpose8x2(v[p]);
     if constexpr (T == Q8_0)
       for (int t = 0; t < 8; ++t) v[p][t] = _mm512_xor_si512(v[p][t], _mm512_set1_epi8(static_cast<char>(0x80)));
@@ -1109,15 +1110,14 @@ inline __attribute__((always_inline)) __m512i pair_levels(const uint8_t* row, in
     uint32_t h[2] = {0, 0};
     std::memcpy(&h[0], first + qh, 4);
     if (second) std::memcpy(&h[1], first + bytes + qh, 4);
-    const __m512i low = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles32(first + qh + 4)),
-                                           second ? nibbles32(first + bytes + qh + 4) : _mm256_setzero_si256(), 1);
+    const __m512i low = join(nibbles32(first + qh + 4), second ? nibbles32(first + bytes + qh + 4) : _mm256_setzero_si256());
     const __mmask64 high = _cvtu64_mask64(h[0] | static_cast<uint64_t>(h[1]) << 32);
     return _mm512_or_si512(low, _mm512_maskz_mov_epi8(high, _mm512_set1_epi8(0x10)));
   } else {
     if (NJ) nj = NJ;
     const __m256i first = 2 * i < nj ? levels<T>(row, g, 2 * i) : _mm256_setzero_si256();
     const __m256i second = 2 * i + 1 < nj ? levels<T>(row, g, 2 * i + 1) : _mm256_setzero_si256();
-    return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+    return join(first, second);
   }
 }
 
@@ -1278,7 +1278,6 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
   scales.resize(panels * slots * 32);
   // 16 columns' 8 values each (a group's blocks, or a block's 4-feature words) as 8 vectors holding columns i and
   // i + 8, transposed: vector j then holds value j of columns 0 .. 15 in order, the panels' rows.
-  const auto pair = [](__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); };
   for (int64_t p = 0; p < panels; ++p) {
     const uint8_t* w[16];
     for (int i = 0; i < 16; ++i) w[i] = jb.w + std::min(c0 + 16 * p + i, c1 - 1) * jb.row_bytes;
@@ -1293,8 +1292,8 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
         meta<T>(w[i], g, nj, a[0], a[1], a[2], a[3]);
         meta<T>(w[i + 8], g, nj, b[0], b[1], b[2], b[3]);
         constexpr int f = T == Q6_K ? 2 : 0;
-        first[i] = pair(_mm256_castps_si256(a[f]), _mm256_castps_si256(b[f]));
-        second[i] = pair(_mm256_castps_si256(a[f + 1]), _mm256_castps_si256(b[f + 1]));
+        first[i] = _mm512_castps_si512(join(a[f], b[f]));
+        second[i] = _mm512_castps_si512(join(a[f + 1], b[f + 1]));
       }
       transpose8x2(first);
       transpose8x2(second);
@@ -1310,7 +1309,7 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
         };
         if (by_step) {
           __m512i v[8];
-          for (int i = 0; i < 8; ++i) v[i] = pair(unsigned_levels(i), unsigned_levels(i + 8));
+          for (int i = 0; i < 8; ++i) v[i] = join(unsigned_levels(i), unsigned_levels(i + 8));
           transpose8x2(v);
           for (int t = 0; t < 8; ++t) _mm512_storeu_si512(block + 64 * t, v[t]);
         } else {
