@@ -213,6 +213,16 @@ constexpr int offset_shift(int64_t t) {  // log2 of the offset subtracted from t
   return t == Q4_0 ? 3 : t == Q5_0 ? 4 : t == Q6_K ? 5 : -1;
 }
 
+// Where the panels' block dots start (tile_rows' arrays): minus the rows' sums times the offset type T's levels
+// carry (Q8_0's 128: made unsigned; Q6_K's over its first 16 features, tile_second5 the second 16's), none
+// where the type has a minimum instead.
+template <int64_t T>
+inline const int32_t* tile_start(const Acts& a) {
+  constexpr int sh = offset_shift(T);
+  return T == Q6_K ? a.tile_first5.data() : sh == 3 ? a.tile_sums3.data() : sh == 4 ? a.tile_sums4.data() :
+         T == Q8_0 ? a.tile_sums7.data() : nullptr;
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // The generic path: plain C++, one (row, column) at a time, the same operations as the vector paths.
 
@@ -1336,11 +1346,7 @@ void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
   const Acts& a = *jb.a;
   const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16, groups = (nb + 7) / 8;
   constexpr int sh = offset_shift(T);
-  // what a block's dot starts from: minus the rows' sums times the offset the levels carry (Q8_0's 128: made
-  // unsigned; Q6_K per 16 features), none where the type has a minimum instead
-  const int32_t* start = T == Q6_K ? a.tile_first5.data() : sh == 3 ? a.tile_sums3.data() :
-                         sh == 4 ? a.tile_sums4.data() : T == Q8_0 ? a.tile_sums7.data() : nullptr;
-  const int32_t* start2 = a.tile_second5.data();
+  const int32_t *start = tile_start<T>(a), *start2 = a.tile_second5.data();
   thread_local std::vector<uint8_t> levels16;
   thread_local std::vector<float> scales;
   pack_panels<T>(jb, c0, c1, levels16, scales, true);
@@ -1442,9 +1448,7 @@ AMX_TARGET void amx_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows1
   _tile_loadconfig(&cfg);
   alignas(64) int32_t dots[NT][2][256];  // [turn][Q6_K's first, second 16 features][column x row]
   // the rows' -offset * sums per block, added to the dots (Q6_K: of the first and of the second 16 features)
-  const int32_t* start = T == Q6_K ? a.tile_first5.data() : sh == 3 ? a.tile_sums3.data() :
-                         sh == 4 ? a.tile_sums4.data() : T == Q8_0 ? a.tile_sums7.data() : nullptr;
-  const int32_t* start2 = a.tile_second5.data();
+  const int32_t *start = tile_start<T>(a), *start2 = a.tile_second5.data();
   const auto issue = [&](int64_t tile, int64_t p, int64_t b, int turn) AMX_TARGET {
     const uint8_t* lv = levels16.data() + (p * nb + b) * 512;
     const int8_t* qv = a.qv.data() + (tile * nb + b) * 512;
