@@ -129,8 +129,8 @@ def test_fixed_fp32_order(type_name):
 
 @pytest.mark.parametrize("type_name", QUANTIZED)
 def test_paths_agree_on_many_rows(type_name):
-    """70 rows: the amx path's tiles of 16 rows and its 6 rows left over, the avx512vnni path's panels (64 rows)
-    and its 6 left over, and the vector paths' row tiles."""
+    """70 rows: the amx path's tiles of 16 rows and its 6 rows left over, the avx512vnni and avx2 paths' panels
+    (64 rows) and their 6 left over, and the vector paths' row tiles."""
     k = k_for(type_name)
     part = make_part(type_name, 37, k, seed=19)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(20))
@@ -239,12 +239,14 @@ def extreme_part(type_name: str, n: int, k: int, level_byte: int) -> torch.Tenso
 @pytest.mark.parametrize("isa", isas())
 @pytest.mark.parametrize("type_name", QUANTIZED)
 def test_saturation_worst_cases(type_name, isa):
-    """Activations all +-127 against the extreme levels: VPMADDUBSW's int16 pair sums must not saturate."""
+    """Activations all +-127 against the extreme levels: VPMADDUBSW's int16 pair sums, and the avx2 path's int16
+    sums of several steps, must not saturate: 20 rows, so that the avx2 path's panels take 16 and its tiles 4."""
     k = 512
     signs = torch.ones(4, k)
     signs[1] = -1
     signs[2, ::2] = -1
     signs[3, 1::2] = -1
+    signs = signs.repeat(5, 1)
     for level_byte in (0x00, 0xFF, 0x80, 0x7F):
         part = extreme_part(type_name, 8, k, level_byte)
         got = blocks.mm(signs, [part], [type_name], isa)

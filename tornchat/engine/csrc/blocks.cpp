@@ -45,7 +45,8 @@
 // where it does not pay: one row alone (a decode step) folds each column's blocks in their own order
 // (quant_group_row; not Q4_0, Q4_1, whose nibbles a few permutes put in the transposed layout: q4_pair), and
 // from PANEL_ROWS rows (a prefill chunk) the columns are unpacked once into panels of 16 that one VPDPBUSD
-// takes against a row's broadcast activations (vnni_columns). Weights are prefetched about PREFETCH bytes of a
+// takes against a row's broadcast activations (vnni_columns); the avx2 path does the same from AVX2_PANEL_ROWS
+// rows with panels of 8 columns and VPMADDUBSW (avx2_columns). Weights are prefetched about PREFETCH bytes of a
 // tile's reading ahead, into the next tile past a row's end (ahead).
 // The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
 // 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same panels), so it too gives the
@@ -82,6 +83,9 @@ constexpr int COLS = 4;  // output columns per kernel tile
 // Rows from which the avx512vnni path unpacks columns into panels (vnni_columns): below it the unpacking costs
 // more than the panels save (measured: docs/performance.md, "The many-row panels").
 constexpr int64_t PANEL_ROWS = 64;
+// The same for the avx2 path's panels (avx2_columns), which take rows 8 at a time: 2026-11-27, AMD Zen 3, the 1B's
+// Q4_K and Q6_K products at 16 rows 1.04-1.10x the 8-row tiles' speed, at 8 rows 0.89-0.94x.
+constexpr int64_t AVX2_PANEL_ROWS = 16, AVX2_PANEL_M = 8;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
@@ -653,16 +657,31 @@ inline __attribute__((always_inline)) __m256i levels(const uint8_t* row, int64_t
   return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
 }
 
-// The 8 exact int32 lanes: init + sum over 4 features of level * q.
-inline __attribute__((always_inline)) __m256i dot(__m256i init, __m256i u, __m256i x) {
-#if PASS_VNNI == 2
-  return _mm256_dpbusd_epi32(init, u, x);
+// init + the dots of N steps of levels v (4 features of 8 blocks or 8 columns a step, see Acts::qt and
+// avx2_columns) against the activations x(t) of each step. On AVX2, VPMADDUBSW's int16 pair sums of S steps are
+// added in int16 before one VPMADDWD: exact while S * 2 * L * 127 <= 32767 for levels up to L (Q4 types 15: 8
+// steps, Q5 31: 4, Q6_K 63: 2), so fewer multiplies for the same integers (the 1B's 8-row Q4_K products 1.17x,
+// AMD Zen 3). Q8_0 (|levels| up to 128) takes one step each.
+template <int64_t T>
+constexpr int int16_steps() {
+  return T == Q4_0 || T == Q4_1 || T == Q4_K ? 8 : T == Q5_0 || T == Q5_1 || T == Q5_K ? 4 : T == Q6_K ? 2 : 1;
+}
+
+template <int64_t T, int N, class Step>
+inline __attribute__((always_inline)) __m256i dots(__m256i init, const __m256i* v, Step x) {
+#if PASS_VNNI == 0
+  constexpr int S = std::min(N, int16_steps<T>());
+  for (int t = 0; t < N; t += S) {
+    __m256i pairs = _mm256_maddubs_epi16(v[t], x(t));
+    for (int s = 1; s < S; ++s) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(v[t + s], x(t + s)));
+    init = _mm256_add_epi32(init, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
 #elif PASS_VNNI == 1
-  return _mm256_dpbusd_avx_epi32(init, u, x);
+  for (int t = 0; t < N; ++t) init = _mm256_dpbusd_avx_epi32(init, v[t], x(t));
 #else
-  // levels <= 63 (or |Q8_0| <= 128) times |q| <= 127: pairs stay within int16
-  return _mm256_add_epi32(init, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+  for (int t = 0; t < N; ++t) init = _mm256_dpbusd_epi32(init, v[t], x(t));
 #endif
+  return init;
 }
 
 inline __attribute__((always_inline)) float lanes8(__m256 a) {
@@ -886,8 +905,8 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
       if constexpr (T == Q6_K) {
         __m256i first = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].first + g * 8)), sh);
         __m256i second = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].second + g * 8)), sh);
-        for (int t = 0; t < 4; ++t) first = dot(first, v[t], xs(t));
-        for (int t = 4; t < 8; ++t) second = dot(second, v[t], xs(t));
+        first = dots<T, 4>(first, v, [&](int t) { return xs(t); });
+        second = dots<T, 4>(second, v + 4, [&](int t) { return xs(t + 4); });
         a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(lo, d), a);
         a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), _mm256_mul_ps(hi, d), a);
       } else {
@@ -904,7 +923,7 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
         } else
 #endif
         {
-          for (int t = 0; t < 8; ++t) sum = dot(sum, v[t], xs(t));
+          sum = dots<T, 8>(sum, v, [&](int t) { return xs(t); });
         }
         a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, d), a);
       }
@@ -1408,6 +1427,109 @@ void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
 }
 #endif
 
+#if PASS_VNNI == 0
+// AVX2's many-row kernel (a prefill chunk). The columns are unpacked once per call into panels of 8, per block
+// [step t][column][4 features] (256 bytes) and the block's two scales for the 8 columns (ws, wm; Q6_K lo, hi),
+// so that VPMADDUBSW takes features 4t..4t+3 of 8 columns against one row's 4 activations broadcast: each
+// int32 lane is one column, and a block's fp32 work is a few instructions for 8 (row, column) chains where the
+// tiles spend them on one chain and transpose every block again for each 8 rows. Lane j's accumulators (blocks
+// j, j + 8, ...) are a vector per row, kept in L1 (acc): the same fp32 operations in the same order as every
+// path, then the same sum of the 8 lanes, so the same bits. Q8_0 (signed levels) stays on the tiles. Rows in
+// tiles of M = 8 (16: 0.96x, 4: 0.87-0.99x). 2026-11-27, AMD Zen 3, 512 rows against the 8-row tiles: the 1B's
+// Q4_K products 1.33-1.52x as fast, Q6_K 1.30-1.53x (docs/performance.md).
+template <int64_t T>
+void avx2_pack(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& levels8, std::vector<float>& scales) {
+  const int64_t nb = jb.nb, panels = (c1 - c0 + 7) / 8, groups = (nb + 7) / 8;
+  levels8.resize(panels * nb * 256);
+  scales.resize(panels * nb * 16);
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint8_t* w[8];
+    for (int i = 0; i < 8; ++i) w[i] = jb.w + std::min(c0 + 8 * p + i, c1 - 1) * jb.row_bytes;  // repeats the last
+    uint8_t* lv = levels8.data() + p * nb * 256;
+    float* sc = scales.data() + p * nb * 16;
+    for (int64_t g = 0; g < groups; ++g) {
+      const int nj = static_cast<int>(std::min<int64_t>(8, nb - g * 8));
+      __m256i first[8], second[8];  // per column its group's 8 scales, transposed into per block its 8 columns'
+      for (int i = 0; i < 8; ++i) {
+        __m256 f[4];
+        meta<T>(w[i], g, nj, f[0], f[1], f[2], f[3]);
+        constexpr int at = T == Q6_K ? 2 : 0;
+        first[i] = _mm256_castps_si256(f[at]), second[i] = _mm256_castps_si256(f[at + 1]);
+      }
+      transpose8(first);
+      transpose8(second);
+      for (int j = 0; j < nj; ++j) {
+        const int64_t b = g * 8 + j;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + b * 16), first[j]);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + b * 16 + 8), second[j]);
+        __m256i v[8];
+        for (int i = 0; i < 8; ++i) v[i] = levels<T>(w[i], g, j);
+        transpose8(v);
+        for (int t = 0; t < 8; ++t) _mm256_storeu_si256(reinterpret_cast<__m256i*>(lv + b * 256 + 32 * t), v[t]);
+      }
+    }
+  }
+}
+
+template <int64_t T, int M>
+void avx2_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows) {
+  const Acts& a = *jb.a;
+  const int64_t nb = jb.nb, panels = (c1 - c0 + 7) / 8;
+  constexpr int sh = offset_shift(T);
+  thread_local std::vector<uint8_t> levels8;
+  thread_local std::vector<float> scales;
+  avx2_pack<T>(jb, c0, c1, levels8, scales);
+  alignas(32) float acc[8][M][8];  // [lane j][row][column]
+  for (int64_t r0 = 0; r0 < rows; r0 += M)
+    for (int64_t p = 0; p < panels; ++p) {
+      const uint8_t* lv8 = levels8.data() + p * nb * 256;
+      const float* sc8 = scales.data() + p * nb * 16;
+      std::memset(acc, 0, sizeof(acc));
+      for (int64_t b = 0; b < nb; ++b) {
+        __m256i lv[8];
+        for (int t = 0; t < 8; ++t) lv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv8 + b * 256 + 32 * t));
+        const __m256 s0 = _mm256_loadu_ps(sc8 + b * 16), s1 = _mm256_loadu_ps(sc8 + b * 16 + 8);
+        float(*lane)[8] = acc[b % 8];
+        for (int m = 0; m < M; ++m) {
+          const int64_t at = (r0 + m) * a.nbp + b;
+          const int8_t* q = a.q.data() + (r0 + m) * a.k + b * QK;
+          const auto word = [&](int t) {  // the row's activations 4t..4t+3, broadcast
+            int32_t v;  // VPBROADCASTD from memory; VBROADCASTSS ran the 1B's products 0.82-0.89x as fast (Zen 3)
+            std::memcpy(&v, q + 4 * t, 4);
+            return _mm256_set1_epi32(v);
+          };
+          const __m256 dm = _mm256_set1_ps(a.d[at]);
+          __m256 l = _mm256_load_ps(lane[m]);
+          if constexpr (T == Q6_K) {
+            const __m256i first = dots<T, 4>(_mm256_set1_epi32(a.neg_first[at] * (1 << sh)), lv, word);
+            const __m256i second = dots<T, 4>(_mm256_set1_epi32(a.neg_second[at] * (1 << sh)), lv + 4,
+                                              [&](int t) { return word(t + 4); });
+            l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(first), _mm256_mul_ps(s0, dm), l);
+            l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(second), _mm256_mul_ps(s1, dm), l);
+          } else {
+            __m256i start = _mm256_setzero_si256();  // minus the offset times the row's sum of q
+            if constexpr (sh >= 0) start = _mm256_set1_epi32(a.neg_sums[at] * (1 << sh));
+            const __m256i sum = dots<T, 8>(start, lv, word);
+            l = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(s0, dm), l);
+          }
+          if constexpr (has_min(T)) l = _mm256_fmadd_ps(s1, _mm256_set1_ps(a.ds[at]), l);
+          _mm256_store_ps(lane[m], l);
+        }
+      }
+      const int64_t c = c0 + 8 * p;
+      const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(8, c1 - c))),
+                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      for (int m = 0; m < M; ++m) {
+#define l(j) _mm256_load_ps(acc[j][m])
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(l(0), l(4)), _mm256_add_ps(l(2), l(6))),
+                                         _mm256_add_ps(_mm256_add_ps(l(1), l(5)), _mm256_add_ps(l(3), l(7))));
+#undef l
+        _mm256_maskstore_ps(jb.out + (r0 + m) * jb.n_total + jb.col_offset + c, valid, sum);
+      }
+    }
+}
+#endif
+
 #if PASS_VNNI == 2 && defined(__linux__)
 // AMX (the amx path): TDPBUSD gives 16 rows x 16 columns of one 32-feature block's exact dots at once, which
 // then take exactly the fp32 operations of the vector code, per column in lane j = b % 8 (the same bits).
@@ -1561,6 +1683,14 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
     if (!jb.amx && nrows >= PANEL_ROWS) {
       first_row = nrows / 16 * 16;
       vnni_columns<T>(jb, c0, c1, first_row);
+    }
+  }
+#endif
+#if PASS_VNNI == 0
+  if constexpr (!is_float(T) && T != Q8_0) {
+    if (nrows >= AVX2_PANEL_ROWS) {
+      first_row = nrows / AVX2_PANEL_M * AVX2_PANEL_M;
+      avx2_columns<T, AVX2_PANEL_M>(jb, c0, c1, first_row);
     }
   }
 #endif
