@@ -157,8 +157,8 @@ def test_one_row_is_its_row_of_many(type_name):
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_quantization_edge_cases_agree(type_name):
-    """The activations' quantization (AVX-512: in vectors) on every path: zero blocks, NaNs (passed over by the
-    largest |x|, then clamped to -127), exact ties of the rounding to even, subnormals; 1, 4 and 70 rows."""
+    """The activations' quantization (AVX-512 and AVX2: in vectors) on every path: zero blocks, NaNs (passed over
+    by the largest |x|, then clamped to -127), exact ties of the rounding to even, subnormals; 1, 4 and 70 rows."""
     k = k_for(type_name)
     part = make_part(type_name, 37, k, seed=29)
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(30))

@@ -470,6 +470,10 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, Acts& a, Isa isa) {
         avx512vnni_path::quantize_row(x + r * k, r, a);
         continue;
       }
+      if (isa == Isa::avx2 || isa == Isa::avxvnni) {
+        avx2_path::quantize_row(x + r * k, r, a);
+        continue;
+      }
 #endif
       for (int64_t b = 0; b < a.nb; ++b) {
         const float* xb = x + r * k + b * QK;
@@ -842,6 +846,56 @@ inline void quantize_row(const float* x, int64_t r, Acts& a) {
       a.neg_sums[at] = -(sums[0] + sums[1]);
       a.neg_first[at] = -sums[0];
       a.neg_second[at] = -sums[1];
+    }
+    transpose8(v);
+    for (int t = 0; t < 8; ++t)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.qt.data() + (r * a.nbp + g * 8) * QK + 32 * t), v[t]);
+  }
+}
+#elif PASS_VNNI == 0
+// The same in 256-bit vectors, for the avx2 and avxvnni paths: the scalar loop was 4.7% of a 1B's cold prefill
+// on AVX2 (AMD Zen 3).
+inline void quantize_row(const float* x, int64_t r, Acts& a) {
+  int8_t* q = a.q.data() + r * a.k;
+  const auto sum8 = [](__m256i v) {  // exact: at most 16 values of |q| <= 127
+    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i f = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(f, _mm_shuffle_epi32(f, 0xB1)));
+  };
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t g = 0; g * 8 < a.nb; ++g) {
+    __m256i v[8];
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = g * 8 + j, at = r * a.nbp + b;
+      if (b >= a.nb) {
+        v[j] = _mm256_setzero_si256();
+        continue;
+      }
+      __m256 xs[4], largest = _mm256_setzero_ps();
+      for (int i = 0; i < 4; ++i) {
+        xs[i] = _mm256_loadu_ps(x + b * QK + 8 * i);
+        largest = _mm256_max_ps(_mm256_andnot_ps(sign, xs[i]), largest);  // keeps largest where |x| is NaN
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float most = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      const __m256 inverse = _mm256_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
+      __m256i level[4];
+      for (int i = 0; i < 4; ++i) {
+        const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(xs[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        level[i] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(scaled, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
+      }
+      const int32_t first = sum8(_mm256_add_epi32(level[0], level[1])), second = sum8(_mm256_add_epi32(level[2], level[3]));
+      // int32 -> int8 in order: the packs work per 128 bits, a permute puts the 4-byte groups back in order
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(level[0], level[1]), _mm256_packs_epi32(level[2], level[3]));
+      v[j] = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), v[j]);
+      const float d = most / 127.0f;
+      a.d[at] = d;
+      a.ds[at] = d * static_cast<float>(first + second);
+      a.neg_sums[at] = -(first + second);
+      a.neg_first[at] = -first;
+      a.neg_second[at] = -second;
     }
     transpose8(v);
     for (int t = 0; t < 8; ++t)
