@@ -1,7 +1,8 @@
 """Incremental detokenization and stop-string hold-back, on SmolLM2's real tokenizer."""
 import pytest
 
-from tornchat.engine.textstream import Detokenizer, StopMatcher
+from tornchat.engine.textstream import Detokenizer, Outbox, StopMatcher
+from tornchat.engine.types import TokenLogprob
 
 
 @pytest.mark.parametrize("text", ["你好，世界！这是一个测试。", "emoji 🙂👍🏽 and 🇫🇷 flags", "naïve café — ünïcödé", "  spaces   kept\nand\tnewlines"])
@@ -30,6 +31,25 @@ def test_detokenizer_keeps_only_the_special_tokens_asked_for(marker_tokenizer):
     assert "".join(kept.push(i) for i in ids) == 'Hi<|python_tag|>{"a": 1} bye'
     skipped = Detokenizer(tok)
     assert "".join(skipped.push(i) for i in ids) == tok.decode(ids, skip_special_tokens=True) == 'Hi{"a": 1} bye'
+
+
+def test_tokens_without_text_still_send_their_logprobs(tokenizer):
+    """A reply whose last tokens write no text (skipped special tokens, half a character) ends with an event
+    that carries their ids and logprobs: a stream's logprobs count what its usage counts."""
+    events = []
+    outbox = Outbox(tokenizer, frozenset(), (), events.append)
+    special = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    half_emoji = tokenizer("🙂", add_special_tokens=False)["input_ids"][0]
+    hi = tokenizer("Hi", add_special_tokens=False)["input_ids"]
+    ids = hi + [special, half_emoji]
+    for i in ids:
+        outbox.push(i, TokenLogprob(token_id=i, logprob=-1.0))
+        if i == hi[-1]:
+            outbox.send()
+    outbox.close(hit_stop_string=False)
+    assert "".join(e.text for e in events) == "Hi"
+    assert [i for e in events for i in e.token_ids] == ids
+    assert [lp.token_id for e in events for lp in e.logprobs] == ids
 
 
 def feed(matcher, pieces):

@@ -104,9 +104,11 @@ class Outbox:
             self._send(self.text)
 
     def close(self, hit_stop_string: bool) -> None:
-        """The reply ended: send the rest, and what was held back unless it began a stop string."""
+        """The reply ended: send the rest, and what was held back unless it began a stop string; tokens that
+        wrote no text (skipped special tokens, an unfinished character) still go out with their logprobs,
+        which the usage counts."""
         rest = "" if hit_stop_string else self.stops.flush()
-        if self.text or rest:
+        if self.text or rest or self.ids:
             self._send(self.text + rest)
 
     def _send(self, text: str) -> None:
