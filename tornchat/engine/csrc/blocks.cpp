@@ -694,6 +694,13 @@ inline __attribute__((always_inline)) float lanes8(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
 }
 
+// The same sum of 8 lanes where each lane is a vector of columns (the panels' kernels): lane(j) gives lane j,
+// add adds two.
+template <class Lane, class Add>
+inline __attribute__((always_inline)) auto lane_sum(Lane lane, Add add) {
+  return add(add(add(lane(0), lane(4)), add(lane(2), lane(6))), add(add(lane(1), lane(5)), add(lane(3), lane(7))));
+}
+
 // Group g's scales a (ws) and minimums m (wm) of a weight row, lanes past nj zero; Q6_K: its 16 sub-block
 // scales (lo: the first 16 features' of each block, hi: the second 16's). The same values decode_meta gives.
 inline __attribute__((always_inline)) __m256 halves(__m256i v) {  // the low 16 bits of each lane -> 8 fp32
@@ -808,12 +815,13 @@ inline __attribute__((always_inline)) void transpose8(__m256i* v) {
   v[3] = _mm256_permute2x128_si256(s3, s7, 0x20), v[7] = _mm256_permute2x128_si256(s3, s7, 0x31);
 }
 
-#if PASS_VNNI == 2
-// Row r of the activations into a (its padding already zero), as quantize_rows quantizes it: per block the same
-// fp32 operations on each value in vectors (the largest |x| with NaNs passed over, the product rounded to
-// nearest even, then clamped with a NaN going to -127), exact integer sums; each group's 8 blocks of q then
-// transposed once into Acts::qt's layout. A row's scalar loop cost the few-row products more than their dots.
-inline void quantize_row(const float* x, int64_t r, Acts& a) {
+// Row r of the activations into a (its padding already zero), as quantize_rows quantizes it: block(x, largest,
+// sums) quantizes one block's 32 values in vectors (the largest |x| with NaNs passed over, the product rounded to
+// nearest even, then clamped with a NaN going to -127) and returns its q; its scale and exact integer sums are
+// stored here, and each group's 8 blocks of q transposed once into Acts::qt's layout. A row's scalar loop cost the
+// few-row products more than their dots (AVX-512), and 4.7% of a 1B's cold prefill on AVX2 (AMD Zen 3).
+template <class Block>
+inline void quantize_row_by(const float* x, int64_t r, Acts& a, Block block) {
   int8_t* q = a.q.data() + r * a.k;
   for (int64_t g = 0; g * 8 < a.nb; ++g) {
     __m256i v[8];
@@ -823,22 +831,9 @@ inline void quantize_row(const float* x, int64_t r, Acts& a) {
         v[j] = _mm256_setzero_si256();
         continue;
       }
-      const __m512 x0 = _mm512_loadu_ps(x + b * QK), x1 = _mm512_loadu_ps(x + b * QK + 16);
-      // max(v, acc) keeps acc where v is NaN, as std::max(acc, v)
-      const float largest = _mm512_reduce_max_ps(
-          _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps())));
-      const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+      float largest;
       int32_t sums[2];
-      __m128i bytes[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m512 scaled = _mm512_roundscale_ps(_mm512_mul_ps(h ? x1 : x0, inverse),
-                                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i level = _mm512_cvttps_epi32(
-            _mm512_min_ps(_mm512_max_ps(scaled, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f)));
-        sums[h] = _mm512_reduce_add_epi32(level);
-        bytes[h] = _mm512_cvtepi32_epi8(level);
-      }
-      v[j] = _mm256_set_m128i(bytes[1], bytes[0]);
+      v[j] = block(x + b * QK, largest, sums);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), v[j]);
       const float d = largest / 127.0f;
       a.d[at] = d;
@@ -852,55 +847,55 @@ inline void quantize_row(const float* x, int64_t r, Acts& a) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.qt.data() + (r * a.nbp + g * 8) * QK + 32 * t), v[t]);
   }
 }
-#elif PASS_VNNI == 0
-// The same in 256-bit vectors, for the avx2 and avxvnni paths: the scalar loop was 4.7% of a 1B's cold prefill
-// on AVX2 (AMD Zen 3).
+
+#if PASS_VNNI == 2
 inline void quantize_row(const float* x, int64_t r, Acts& a) {
-  int8_t* q = a.q.data() + r * a.k;
-  const auto sum8 = [](__m256i v) {  // exact: at most 16 values of |q| <= 127
-    const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    const __m128i f = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(f, _mm_shuffle_epi32(f, 0xB1)));
-  };
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t g = 0; g * 8 < a.nb; ++g) {
-    __m256i v[8];
-    for (int j = 0; j < 8; ++j) {
-      const int64_t b = g * 8 + j, at = r * a.nbp + b;
-      if (b >= a.nb) {
-        v[j] = _mm256_setzero_si256();
-        continue;
-      }
-      __m256 xs[4], largest = _mm256_setzero_ps();
-      for (int i = 0; i < 4; ++i) {
-        xs[i] = _mm256_loadu_ps(x + b * QK + 8 * i);
-        largest = _mm256_max_ps(_mm256_andnot_ps(sign, xs[i]), largest);  // keeps largest where |x| is NaN
-      }
-      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
-      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-      const float most = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-      const __m256 inverse = _mm256_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
-      __m256i level[4];
-      for (int i = 0; i < 4; ++i) {
-        const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(xs[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        level[i] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(scaled, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
-      }
-      const int32_t first = sum8(_mm256_add_epi32(level[0], level[1])), second = sum8(_mm256_add_epi32(level[2], level[3]));
-      // int32 -> int8 in order: the packs work per 128 bits, a permute puts the 4-byte groups back in order
-      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(level[0], level[1]), _mm256_packs_epi32(level[2], level[3]));
-      v[j] = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QK), v[j]);
-      const float d = most / 127.0f;
-      a.d[at] = d;
-      a.ds[at] = d * static_cast<float>(first + second);
-      a.neg_sums[at] = -(first + second);
-      a.neg_first[at] = -first;
-      a.neg_second[at] = -second;
+  quantize_row_by(x, r, a, [](const float* xb, float& largest, int32_t* sums) {
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    // max(v, acc) keeps acc where v is NaN, as std::max(acc, v)
+    largest = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps())));
+    const __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+    __m128i bytes[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512 scaled = _mm512_roundscale_ps(_mm512_mul_ps(h ? x1 : x0, inverse),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512i level = _mm512_cvttps_epi32(
+          _mm512_min_ps(_mm512_max_ps(scaled, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f)));
+      sums[h] = _mm512_reduce_add_epi32(level);
+      bytes[h] = _mm512_cvtepi32_epi8(level);
     }
-    transpose8(v);
-    for (int t = 0; t < 8; ++t)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.qt.data() + (r * a.nbp + g * 8) * QK + 32 * t), v[t]);
-  }
+    return _mm256_set_m128i(bytes[1], bytes[0]);
+  });
+}
+#elif PASS_VNNI == 0
+// The same in 256-bit vectors, for the avx2 and avxvnni paths.
+inline void quantize_row(const float* x, int64_t r, Acts& a) {
+  quantize_row_by(x, r, a, [](const float* xb, float& largest, int32_t* sums) {
+    const auto sum8 = [](__m256i v) {  // exact: at most 16 values of |q| <= 127
+      const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      const __m128i f = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+      return _mm_cvtsi128_si32(_mm_add_epi32(f, _mm_shuffle_epi32(f, 0xB1)));
+    };
+    __m256 xs[4], most = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      xs[i] = _mm256_loadu_ps(xb + 8 * i);
+      most = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), xs[i]), most);  // keeps most where |x| is NaN
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(most), _mm256_extractf128_ps(most, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    largest = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const __m256 inverse = _mm256_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+    __m256i level[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(xs[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      level[i] = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(scaled, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
+    }
+    sums[0] = sum8(_mm256_add_epi32(level[0], level[1])), sums[1] = sum8(_mm256_add_epi32(level[2], level[3]));
+    // int32 -> int8 in order: the packs work per 128 bits, a permute puts the 4-byte groups back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(level[0], level[1]), _mm256_packs_epi32(level[2], level[3]));
+    return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  });
 }
 #endif
 
@@ -1471,10 +1466,8 @@ void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
       const int64_t c = c0 + 16 * p;
       const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(16, c1 - c)) - 1);
       for (int m = 0; m < 16; ++m) {
-#define l(j) _mm512_load_ps(result[j][m])
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l(0), l(4)), _mm512_add_ps(l(2), l(6))),
-                                         _mm512_add_ps(_mm512_add_ps(l(1), l(5)), _mm512_add_ps(l(3), l(7))));
-#undef l
+        const __m512 sum = lane_sum([&](int j) { return _mm512_load_ps(result[j][m]); },
+                                    [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
         _mm512_mask_storeu_ps(jb.out + (r0 + m) * jb.n_total + jb.col_offset + c, valid, sum);
       }
     }
@@ -1574,10 +1567,8 @@ void avx2_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows) {
       const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(8, c1 - c))),
                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       for (int m = 0; m < M; ++m) {
-#define l(j) _mm256_load_ps(acc[j][m])
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(l(0), l(4)), _mm256_add_ps(l(2), l(6))),
-                                         _mm256_add_ps(_mm256_add_ps(l(1), l(5)), _mm256_add_ps(l(3), l(7))));
-#undef l
+        const __m256 sum = lane_sum([&](int j) { return _mm256_load_ps(acc[j][m]); },
+                                    [](__m256 x, __m256 y) { return _mm256_add_ps(x, y); });
         _mm256_maskstore_ps(jb.out + (r0 + m) * jb.n_total + jb.col_offset + c, valid, sum);
       }
     }
@@ -1706,10 +1697,8 @@ AMX_TARGET void amx_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows1
       for (int n = 0; n < 16; ++n) _mm512_store_ps(result[j][n], acc[n]);
     }
     for (int n = 0; n < valid; ++n) {
-#define l(j) _mm512_load_ps(result[j][n])
-      _mm512_store_ps(result[0][n], _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l(0), l(4)), _mm512_add_ps(l(2), l(6))),
-                                                  _mm512_add_ps(_mm512_add_ps(l(1), l(5)), _mm512_add_ps(l(3), l(7)))));
-#undef l
+      _mm512_store_ps(result[0][n], lane_sum([&](int j) { return _mm512_load_ps(result[j][n]); },
+                                             [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); }));
     }
     for (int m = 0; m < 16; ++m)
       for (int n = 0; n < valid; ++n) jb.out[(r0 + m) * jb.n_total + jb.col_offset + c + n] = result[0][n][m];
