@@ -43,7 +43,8 @@
 // once for the R rows (R up to 8, AVX-512 16), each (row, column) its own chain. AVX-512 holds two columns
 // per 512-bit register, each half doing the 256-bit operations. Two AVX-512 kernels skip that transpose
 // where it does not pay: one row alone (a decode step) folds each column's blocks in their own order
-// (quant_group_row; not Q4_0, Q4_1, whose nibbles a few permutes put in the transposed layout: q4_pair), and
+// (quant_group_row; not Q4_0, Q4_1, whose nibbles a few permutes put in the transposed layout: q4_pair, and on
+// AVX2 a 4 x 4 dword transpose: q4_steps), and
 // from PANEL_ROWS rows (a prefill chunk) the columns are unpacked once into panels of 16 that one VPDPBUSD
 // takes against a row's broadcast activations (vnni_columns); the avx2 path does the same from AVX2_PANEL_ROWS
 // rows with panels of 8 columns and VPMADDUBSW (avx2_columns). Weights are prefetched about PREFETCH bytes of a
@@ -747,6 +748,14 @@ inline __attribute__((always_inline)) void q4_group(const uint8_t* row, int64_t 
 }
 #endif
 
+// The 32-bit blocks' scales from their first 4 bytes, a block per lane: d in the low half, the minimum (Q4_1,
+// Q5_1) in the high half.
+template <int64_t T>
+inline __attribute__((always_inline)) void word_scales(__m256i words, __m256& ws, __m256& wm) {
+  ws = halves(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF)));
+  wm = T == Q4_1 || T == Q5_1 ? halves(_mm256_srli_epi32(words, 16)) : _mm256_setzero_ps();
+}
+
 // GATHER: the 32-bit blocks' d (and minimums) by one gather, else by 8 loads, which a lone row's kernel
 // (quant_group_row) runs faster on an AMD Zen 5 (Q5_0 1.2x, Q8_0 1.15x a product) and the few-row tiles
 // slower (Q5_1 at 4 rows 1.25x, on AVX2 1.1x).
@@ -793,9 +802,7 @@ inline __attribute__((always_inline)) void meta(const uint8_t* row, int64_t g, i
       const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nj), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
       words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), base, at, mask, 1);
     }
-    const __m256i low16 = _mm256_set1_epi32(0xFFFF);
-    ws = halves(_mm256_and_si256(words, low16));
-    if constexpr (T == Q4_1 || T == Q5_1) wm = halves(_mm256_srli_epi32(words, 16));
+    word_scales<T>(words, ws, wm);
   }
 }
 
@@ -916,6 +923,38 @@ inline __attribute__((always_inline)) const char* ahead(const uint8_t* col, int6
   return reinterpret_cast<const char*>(later < groups ? col + later * gb : col + COLS * row_bytes + (later - groups) * gb);
 }
 
+// Q4_0, Q4_1: a group's levels straight in the transposed layout (quant_group's v), and its scales, where
+// unpacking each block, transpose8 and meta's gather cost the few-row tiles more than their dot products: block
+// j's 16 bytes of nibbles hold features 4t..4t+3 in dword t's low nibbles and 16 + 4t.. in its high ones, so a
+// 4 x 4 dword transpose of blocks j and j + 4 (one per 128 bits) gives step t and step t + 4 at once; the same
+// transpose's first step puts the blocks' first dwords (d, and Q4_1's minimum) in lanes. The levels transpose8
+// and the scales meta give (2026-11-28, AMD Zen 3: the 135M's Q4_1 products at 1-4 rows 1.2-1.4x as fast).
+template <int64_t T>
+inline __attribute__((always_inline)) void q4_steps(const uint8_t* row, int64_t g, int nj, __m256i* v, __m256& ws,
+                                                    __m256& wm) {
+  constexpr int b = T == Q4_0 ? 18 : 20;
+  const uint8_t* first = row + g * 8 * b;
+  const auto block = [&](int j, int at) {
+    return j < nj ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(first + j * b + at)) : _mm_setzero_si128();
+  };
+  __m256i y[4], h[4];
+  for (int j = 0; j < 4; ++j) {
+    y[j] = _mm256_set_m128i(block(j + 4, b - 16), block(j, b - 16));
+    h[j] = _mm256_set_m128i(block(j + 4, 0), block(j, 0));
+  }
+  // the blocks' first dwords, as meta gathers them
+  word_scales<T>(_mm256_unpacklo_epi64(_mm256_unpacklo_epi32(h[0], h[1]), _mm256_unpacklo_epi32(h[2], h[3])), ws, wm);
+  const __m256i a0 = _mm256_unpacklo_epi32(y[0], y[1]), a1 = _mm256_unpackhi_epi32(y[0], y[1]);
+  const __m256i a2 = _mm256_unpacklo_epi32(y[2], y[3]), a3 = _mm256_unpackhi_epi32(y[2], y[3]);
+  const __m256i dwords[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2),
+                             _mm256_unpacklo_epi64(a1, a3), _mm256_unpackhi_epi64(a1, a3)};
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int t = 0; t < 4; ++t) {
+    v[t] = _mm256_and_si256(dwords[t], low4);
+    v[t + 4] = _mm256_and_si256(_mm256_srli_epi16(dwords[t], 4), low4);
+  }
+}
+
 struct RowPtrs {  // one row of the quantized activations
   const int8_t* qt;
   const float *d, *ds;
@@ -933,11 +972,15 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
     const char* next = ahead<T>(w[c], g, groups, row_bytes);
     for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     __m256 ws, wm, lo, hi;
-    meta<T>(w[c], g, nj, ws, wm, lo, hi);
     __m256i v[8];
+    if constexpr (T == Q4_0 || T == Q4_1) {
+      q4_steps<T>(w[c], g, nj, v, ws, wm);
+    } else {
+      meta<T>(w[c], g, nj, ws, wm, lo, hi);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) v[j] = j < nj ? levels<T>(w[c], g, j) : _mm256_setzero_si256();
-    transpose8(v);
+      for (int j = 0; j < 8; ++j) v[j] = j < nj ? levels<T>(w[c], g, j) : _mm256_setzero_si256();
+      transpose8(v);
+    }
 #if PASS_VNNI == 0
     __m256i v_abs[8];
     if constexpr (T == Q8_0)
