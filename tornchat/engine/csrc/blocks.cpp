@@ -213,6 +213,7 @@ inline __attribute__((always_inline)) void decode_meta(const uint8_t* row, int64
   }
 }
 
+constexpr bool k_quant(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }  // 256-value blocks
 constexpr bool has_min(int64_t t) { return t == Q4_1 || t == Q5_1 || t == Q4_K || t == Q5_K; }
 constexpr int offset_shift(int64_t t) {  // log2 of the offset subtracted from the levels, -1 for none
   return t == Q4_0 ? 3 : t == Q5_0 ? 4 : t == Q6_K ? 5 : -1;
@@ -758,7 +759,8 @@ inline __attribute__((always_inline)) void word_scales(__m256i words, __m256& ws
 
 // GATHER: the 32-bit blocks' d (and minimums) by one gather, else by 8 loads, which a lone row's kernel
 // (quant_group_row) runs faster on an AMD Zen 5 (Q5_0 1.2x, Q8_0 1.15x a product) and the few-row tiles
-// slower (Q5_1 at 4 rows 1.25x, on AVX2 1.1x).
+// slower (Q5_1 at 4 rows 1.25x, on AVX2 1.1x). A short group (nj < 8) loads its blocks' words: a masked gather
+// cost the tails more than their dots (AMD Zen 3).
 template <int64_t T, bool GATHER = true>
 inline __attribute__((always_inline)) void meta(const uint8_t* row, int64_t g, int nj, __m256& ws, __m256& wm,
                                                 __m256& lo, __m256& hi) {
@@ -791,16 +793,13 @@ inline __attribute__((always_inline)) void meta(const uint8_t* row, int64_t g, i
     __m256i words;  // per block: d in the low half, the minimum (Q4_1, Q5_1) in the high half
     if (nj == 8 && GATHER) {
       words = _mm256_i32gather_epi32(base, at, 1);
-    } else if (nj == 8) {
+    } else {
       const auto word = [&](int j) {
-        int32_t v;
-        std::memcpy(&v, row + (g * 8 + j) * bytes, 4);
+        int32_t v = 0;
+        if (j < nj) std::memcpy(&v, row + (g * 8 + j) * bytes, 4);
         return v;
       };
       words = _mm256_setr_epi32(word(0), word(1), word(2), word(3), word(4), word(5), word(6), word(7));
-    } else {
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nj), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), base, at, mask, 1);
     }
     word_scales<T>(words, ws, wm);
   }
@@ -956,38 +955,65 @@ inline __attribute__((always_inline)) void q4_steps(const uint8_t* row, int64_t 
 }
 
 struct RowPtrs {  // one row of the quantized activations
-  const int8_t* qt;
+  const int8_t *q, *qt;
   const float *d, *ds;
   const int32_t *sums, *first, *second;
 };
 
+// Q8_0 on AVX2: the dot of signed levels v (v_abs their absolute values) and activations x, 4 features a lane,
+// added to init: VPSIGNB moves the levels' signs onto x, since VPMADDUBSW takes one side unsigned.
+inline __attribute__((always_inline)) __m256i signed_dot(__m256i init, __m256i v_abs, __m256i v, __m256i x) {
+  return _mm256_add_epi32(init, _mm256_madd_epi16(_mm256_maddubs_epi16(v_abs, _mm256_sign_epi8(x, v)), _mm256_set1_epi16(1)));
+}
+
+// The first nj of 8 vectors' lane sums, lane j holding vector j's (the lanes past nj zero): a short last group's
+// blocks, each dotted in its own order (quant_group's TAIL), into the lanes the transposed steps give them.
+template <class Dot>
+inline __attribute__((always_inline)) __m256i block_lanes(int nj, Dot dot) {
+  __m256i p[8];
+  for (int j = 0; j < 8; ++j) p[j] = j < nj ? dot(j) : _mm256_setzero_si256();
+  // per 128 bits: [sum of p0's 4 lanes, p1's, p2's, p3's] of its half, then the halves added
+  const __m256i low = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  if (nj <= 4)
+    return _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
+  const __m256i high = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
+}
+
 // Group g for R rows and the tile's columns: lane i of each int32 accumulator is block 8g + i's exact dot,
 // summed over 8 steps of 4 features (the weights transposed once per column, the activations stored so).
-template <int64_t T, int R, int NJ>
+// TAIL: a short last group of nj < 8 blocks (the 32-block types only) takes each block's dot against the plain
+// activations and sums its lanes (block_lanes), where 8 transposed steps cost a whole group: a quarter of the
+// 135M's products, whose K of 576 is 2.25 groups. The same exact integers, so the same bits.
+template <int64_t T, int R, bool TAIL>
 inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, int64_t g, int nj, const RowPtrs* x,
                                                        __m256 (*acc)[COLS], int64_t groups, int64_t row_bytes) {
   constexpr int sh = offset_shift(T);
-  if (NJ) nj = NJ;
+  static_assert(!TAIL || !k_quant(T), "the K-quants' groups are whole super-blocks");
+  if (!TAIL) nj = 8;
   for (int c = 0; c < COLS; ++c) {
     const char* next = ahead<T>(w[c], g, groups, row_bytes);
     for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     __m256 ws, wm, lo, hi;
     __m256i v[8];
-    if constexpr (T == Q4_0 || T == Q4_1) {
+    if constexpr (TAIL) {
+      meta<T>(w[c], g, nj, ws, wm, lo, hi);
+      for (int j = 0; j < nj; ++j) v[j] = levels<T>(w[c], g, j);
+    } else if constexpr (T == Q4_0 || T == Q4_1) {
       q4_steps<T>(w[c], g, nj, v, ws, wm);
     } else {
       meta<T>(w[c], g, nj, ws, wm, lo, hi);
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) v[j] = j < nj ? levels<T>(w[c], g, j) : _mm256_setzero_si256();
+      for (int j = 0; j < 8; ++j) v[j] = levels<T>(w[c], g, j);
       transpose8(v);
     }
 #if PASS_VNNI == 0
     __m256i v_abs[8];
     if constexpr (T == Q8_0)
-      for (int t = 0; t < 8; ++t) v_abs[t] = _mm256_sign_epi8(v[t], v[t]);
+      for (int t = 0; t < nj; ++t) v_abs[t] = _mm256_sign_epi8(v[t], v[t]);
 #else
     if constexpr (T == Q8_0)
-      for (int t = 0; t < 8; ++t) v[t] = _mm256_xor_si256(v[t], _mm256_set1_epi8(static_cast<char>(0x80)));
+      for (int t = 0; t < nj; ++t) v[t] = _mm256_xor_si256(v[t], _mm256_set1_epi8(static_cast<char>(0x80)));
 #endif
     for (int r = 0; r < R; ++r) {
       const int8_t* xt = x[r].qt + g * 256;
@@ -1007,14 +1033,22 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
           sum = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].sums + g * 8)), sh >= 0 ? sh : 7);
         else
           sum = _mm256_setzero_si256();
+        if constexpr (TAIL) {
+          const int8_t* xq = x[r].q + g * 256;
+          sum = _mm256_add_epi32(sum, block_lanes(nj, [&](int j) {
+            const __m256i xj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
 #if PASS_VNNI == 0
-        if constexpr (T == Q8_0) {
-          for (int t = 0; t < 8; ++t)
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(v_abs[t], _mm256_sign_epi8(xs(t), v[t])),
-                                                          _mm256_set1_epi16(1)));
-        } else
+            if constexpr (T == Q8_0) return signed_dot(_mm256_setzero_si256(), v_abs[j], v[j], xj);
 #endif
-        {
+            return dots<T, 1>(_mm256_setzero_si256(), v + j, [&](int) { return xj; });
+          }));
+        }
+#if PASS_VNNI == 0
+        else if constexpr (T == Q8_0) {
+          for (int t = 0; t < 8; ++t) sum = signed_dot(sum, v_abs[t], v[t], xs(t));
+        }
+#endif
+        else {
           sum = dots<T, 8>(sum, v, [&](int t) { return xs(t); });
         }
         a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, d), a);
@@ -1306,7 +1340,7 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
   RowPtrs x[R];
   for (int r = 0; r < R; ++r) {
     const int64_t at = rows[r] * a.nbp;
-    x[r] = RowPtrs{a.qt.data() + at * QK, a.d.data() + at, a.ds.data() + at,
+    x[r] = RowPtrs{a.q.data() + rows[r] * a.k, a.qt.data() + at * QK, a.d.data() + at, a.ds.data() + at,
                    a.neg_sums.data() + at, a.neg_first.data() + at, a.neg_second.data() + at};
   }
   const int64_t full = jb.nb / 8, groups = (jb.nb + 7) / 8;
@@ -1333,8 +1367,9 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
 #else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < full; ++g) quant_group<T, R, 8>(w, g, 8, x, acc, groups, jb.row_bytes);
-  if (jb.nb % 8) quant_group<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc, groups, jb.row_bytes);
+  for (int64_t g = 0; g < full; ++g) quant_group<T, R, false>(w, g, 8, x, acc, groups, jb.row_bytes);
+  if constexpr (!k_quant(T))
+    if (jb.nb % 8) quant_group<T, R, true>(w, full, static_cast<int>(jb.nb % 8), x, acc, groups, jb.row_bytes);
 #endif
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) out[r * C + c][0] = lanes8(acc[r][c]);
