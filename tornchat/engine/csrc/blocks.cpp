@@ -775,17 +775,19 @@ inline __attribute__((always_inline)) void meta(const uint8_t* row, int64_t g, i
     lo = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));  // sub-blocks 0, 2, ..., 14
     hi = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));  // 1, 3, ..., 15
   } else if constexpr (T == Q4_K || T == Q5_K) {
-    const uint8_t* sb = row + g * (T == Q4_K ? 144 : 176);
-    uint16_t h[2];
-    std::memcpy(h, sb, 4);
-    uint32_t u[3];
-    std::memcpy(u, sb + 4, 12);
-    const uint32_t s_lo = u[0] & 0x3f3f3f3f, s_hi = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    const uint32_t m_lo = u[1] & 0x3f3f3f3f, m_hi = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    const __m128i sc = _mm_cvtsi64_si128(static_cast<int64_t>(s_lo | (static_cast<uint64_t>(s_hi) << 32)));
-    const __m128i mn = _mm_cvtsi64_si128(static_cast<int64_t>(m_lo | (static_cast<uint64_t>(m_hi) << 32)));
-    ws = _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(h[0])), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)));
-    wm = _mm256_mul_ps(_mm256_set1_ps(-_cvtsh_ss(h[1])), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)));
+    // the super-block's head as dwords [d and dmin, u0, u1, u2]; the 6-bit scales sc and minimums mn unpacked
+    // in one vector, as meta2 does for two rows: [u0 & 63, (u2 & 15) | (u0 >> 6) << 4, u1 & 63,
+    // (u2 >> 4 & 15) | (u1 >> 6) << 4] bytewise, sc then mn
+    const __m128i head = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + g * (T == Q4_K ? 144 : 176)));
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(head, 0xED), _mm_setr_epi32(0, 0, 0, 4)),
+                                      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i high = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(head, 0xA5), 2),
+                                       _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    const __m128i sm = _mm_or_si128(low, high);
+    const __m128 dd = _mm_cvtph_ps(head);  // d, dmin
+    ws = _mm256_mul_ps(_mm256_broadcastss_ps(dd), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)));
+    wm = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_xor_ps(_mm_movehdup_ps(dd), _mm_set1_ps(-0.0f))),
+                       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
   } else {
     constexpr int bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
     const __m256i at = _mm256_setr_epi32(0, bytes, 2 * bytes, 3 * bytes, 4 * bytes, 5 * bytes, 6 * bytes, 7 * bytes);
