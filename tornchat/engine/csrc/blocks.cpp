@@ -525,7 +525,7 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
   const int64_t k = x.size(1), rows = x.size(0);
   TORCH_CHECK(k % QK == 0, "block_mm: K must be a multiple of 32");
   int64_t n_total = 0;
-  bool any_quant = false, any_float = false;
+  bool any_quant = false;
   for (size_t i = 0; i < parts.size(); ++i) {
     TypeInfo info;
     TORCH_CHECK(type_info(types[i], info), "block_mm: unsupported GGML type id ", types[i]);
@@ -535,7 +535,7 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
     TORCH_CHECK(k % info.values == 0 && p.size(1) == k / info.values * info.bytes, "block_mm: part ", i,
                 "'s rows hold ", p.size(1), " bytes, not K = ", k, " values of type ", types[i]);
     n_total += p.size(0);
-    (is_float(types[i]) ? any_float : any_quant) = true;
+    any_quant = any_quant || !is_float(types[i]);
   }
   const auto xf = x.to(at::kFloat).contiguous();
   if (out.defined()) {
@@ -571,7 +571,6 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
     for (int64_t c = 0; c < parts[i].size(0); c += CHUNK) chunks.emplace_back(jobs.size() - 1, c);
     offset += parts[i].size(0);
   }
-  (void)any_float;
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const Job& jb = jobs[chunks[i].first];
