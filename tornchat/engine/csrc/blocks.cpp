@@ -923,20 +923,17 @@ inline __attribute__((always_inline)) const char* ahead(const uint8_t* col, int6
   return reinterpret_cast<const char*>(later < groups ? col + later * gb : col + COLS * row_bytes + (later - groups) * gb);
 }
 
-// Q4_0, Q4_1: a group's levels straight in the transposed layout (quant_group's v), and its scales, where
+// Q4_0, Q4_1: a whole group's levels straight in the transposed layout (quant_group's v), and its scales, where
 // unpacking each block, transpose8 and meta's gather cost the few-row tiles more than their dot products: block
 // j's 16 bytes of nibbles hold features 4t..4t+3 in dword t's low nibbles and 16 + 4t.. in its high ones, so a
 // 4 x 4 dword transpose of blocks j and j + 4 (one per 128 bits) gives step t and step t + 4 at once; the same
 // transpose's first step puts the blocks' first dwords (d, and Q4_1's minimum) in lanes. The levels transpose8
 // and the scales meta give (2026-11-28, AMD Zen 3: the 135M's Q4_1 products at 1-4 rows 1.2-1.4x as fast).
 template <int64_t T>
-inline __attribute__((always_inline)) void q4_steps(const uint8_t* row, int64_t g, int nj, __m256i* v, __m256& ws,
-                                                    __m256& wm) {
+inline __attribute__((always_inline)) void q4_steps(const uint8_t* row, int64_t g, __m256i* v, __m256& ws, __m256& wm) {
   constexpr int b = T == Q4_0 ? 18 : 20;
   const uint8_t* first = row + g * 8 * b;
-  const auto block = [&](int j, int at) {
-    return j < nj ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(first + j * b + at)) : _mm_setzero_si128();
-  };
+  const auto block = [&](int j, int at) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(first + j * b + at)); };
   __m256i y[4], h[4];
   for (int j = 0; j < 4; ++j) {
     y[j] = _mm256_set_m128i(block(j + 4, b - 16), block(j, b - 16));
@@ -1001,7 +998,7 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
       meta<T>(w[c], g, nj, ws, wm, lo, hi);
       for (int j = 0; j < nj; ++j) v[j] = levels<T>(w[c], g, j);
     } else if constexpr (T == Q4_0 || T == Q4_1) {
-      q4_steps<T>(w[c], g, nj, v, ws, wm);
+      q4_steps<T>(w[c], g, v, ws, wm);
     } else {
       meta<T>(w[c], g, nj, ws, wm, lo, hi);
 #pragma GCC unroll 8
