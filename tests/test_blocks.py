@@ -155,6 +155,21 @@ def test_one_row_is_its_row_of_many(type_name):
             assert torch.equal(blocks.mm(x[r : r + 1], [part], [type_name], isa), want[r : r + 1]), (isa, r)
 
 
+@pytest.mark.parametrize("type_name", SIMPLE)
+def test_every_short_group(type_name):
+    """Rows whose last group of 8 blocks holds 1 to 7 (the tiles dot them plainly and sum them into their
+    lanes: csrc/blocks.cpp block_lanes) give every path the generic path's bits, alone and among 3 rows."""
+    for tail in range(1, 8):
+        k = 32 * (8 + tail)
+        part = make_part(type_name, 9, k, seed=40 + tail)
+        x = torch.randn(3, k, generator=torch.Generator().manual_seed(50 + tail))
+        want = blocks.mm(x, [part], [type_name], "generic")
+        check_close(x, [part], [type_name], want)
+        for isa in isas():
+            assert torch.equal(blocks.mm(x, [part], [type_name], isa), want), (isa, tail)
+            assert torch.equal(blocks.mm(x[1:2], [part], [type_name], isa), want[1:2]), (isa, tail)
+
+
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_quantization_edge_cases_agree(type_name):
     """The activations' quantization (AVX-512 and AVX2: in vectors) on every path: zero blocks, NaNs (passed over
