@@ -994,16 +994,13 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
     for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     __m256 ws, wm, lo, hi;
     __m256i v[8];
-    if constexpr (TAIL) {
-      meta<T>(w[c], g, nj, ws, wm, lo, hi);
-      for (int j = 0; j < nj; ++j) v[j] = levels<T>(w[c], g, j);
-    } else if constexpr (T == Q4_0 || T == Q4_1) {
+    if constexpr (!TAIL && (T == Q4_0 || T == Q4_1)) {
       q4_steps<T>(w[c], g, v, ws, wm);
     } else {
       meta<T>(w[c], g, nj, ws, wm, lo, hi);
 #pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) v[j] = levels<T>(w[c], g, j);
-      transpose8(v);
+      for (int j = 0; j < nj; ++j) v[j] = levels<T>(w[c], g, j);
+      if constexpr (!TAIL) transpose8(v);
     }
 #if PASS_VNNI == 0
     __m256i v_abs[8];
