@@ -170,6 +170,64 @@ def test_every_short_group(type_name):
             assert torch.equal(blocks.mm(x[1:2], [part], [type_name], isa), want[1:2]), (isa, tail)
 
 
+GROUPABLE = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@pytest.mark.parametrize("type_name", GROUPABLE)
+def test_grouped_layout(type_name):
+    """csrc/blocks.h's grouped layout: the C++ rearrangement is ggml.group's, ungrouping gives the file's bytes
+    back, and the values are the file's; whole groups move (a block's bytes go to their places), a short last group
+    stays as it is."""
+    for k in (64, 256, 288, 576):
+        part = make_part(type_name, 5, k, seed=k)
+        grouped = part.clone()
+        blocks._native().group_blocks(grouped, blocks.TYPE_IDS[type_name])
+        name = type_name + "_G8"
+        assert torch.equal(grouped, ggml.group(part, type_name)), k
+        back, back_type = blocks.ungroup(grouped, name)
+        assert torch.equal(ggml.ungroup(grouped, name), part) and torch.equal(back, part) and back_type == type_name, k
+        assert torch.equal(ggml.values(grouped, name), ggml.dequantize(part, type_name)), k
+        whole = k // 256 * 256 // 32 * ggml.TYPES[type_name].bytes  # the whole groups' bytes
+        assert torch.equal(grouped[:, whole:], part[:, whole:]) and (k < 256 or not torch.equal(grouped, part)), k
+    # block 1 of a group: its d in bytes 2-3, its first 4 levels at 4 * 1 of the first step
+    block = ggml.TYPES[type_name].bytes
+    head = 4 if type_name == "Q4_1" else 2
+    row = ggml.group(make_part(type_name, 1, 256), type_name)[0]
+    original = make_part(type_name, 1, 256)[0]
+    assert torch.equal(row[2:4], original[block : block + 2])
+    assert torch.equal(row[8 * head + 4 : 8 * head + 8], original[block + head : block + head + 4])
+
+
+@pytest.mark.parametrize("type_name", GROUPABLE)
+def test_grouped_rows_give_the_files_bits(type_name):
+    """A grouped part's products are the file's, bit for bit, on every path (the AVX-512 paths run grouped rows
+    on the avx2 kernels) and at any number of rows (the tiles, and from 16 rows the avx2 panels), in a call with
+    parts of other types too, with and without a short last group."""
+    for k in (256, 288, 576):
+        part = make_part(type_name, 37, k, seed=k + 1)
+        other = make_part("Q4_K" if k % 256 == 0 else "Q5_0", 11, k, seed=k + 2)
+        other_type = "Q4_K" if k % 256 == 0 else "Q5_0"
+        grouped = ggml.group(part, type_name)
+        x = torch.randn(70, k, generator=torch.Generator().manual_seed(k))
+        want = blocks.mm(x, [part, other], [type_name, other_type], "generic")
+        for isa in isas():
+            for rows in (1, 2, 5, 16, 70):
+                got = blocks.mm(x[:rows], [grouped, other], [type_name + "_G8", other_type], isa)
+                assert torch.equal(got, want[:rows]), (isa, k, rows)
+
+
+def test_grouping_follows_the_path():
+    """blocks.group rearranges a part only for the paths that read the grouped layout faster."""
+    part = make_part("Q4_1", 3, 256)
+    assert blocks.grouped_type("Q4_1", "generic") == "Q4_1" and blocks.grouped_type("Q4_K", "generic") == "Q4_K"
+    kept = part.clone()
+    assert blocks.group(kept, "Q4_1", "generic") == "Q4_1" and torch.equal(kept, part)
+    for isa in set(isas()) & set(blocks.GROUPING_ISAS):
+        grouped = part.clone()
+        assert blocks.group(grouped, "Q4_1", isa) == "Q4_1_G8" and torch.equal(grouped, ggml.group(part, "Q4_1"))
+        assert blocks.group(part.clone(), "Q5_0", isa) == "Q5_0"
+
+
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])
 def test_quantization_edge_cases_agree(type_name):
     """The activations' quantization (AVX-512 and AVX2: in vectors) on every path: zero blocks, NaNs (passed over

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tornchat import checkpoint
-from tornchat.engine import llama, quant
+from tornchat.engine import blocks, llama, quant
 from tornchat.engine import ggml
 from tornchat.weights import gguf_file
 
@@ -85,9 +85,10 @@ def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, 
     config, weights = gguf_file.load(path)  # the file's blocks, in place
     in_blocks = llama.LlamaRunner(config, weights, kv_dtype=torch.float32)
     assert all(isinstance(m, quant.BlockWeight) for layer in weights.layers for m in layer.matrices())
-    assert weights.layers[0].wqkv.types == (types["q"], types["k"], types["v"])  # stacked as the file has them
+    # stacked as the file has them, in the layout the kernels read them in (csrc/blocks.h's grouped ones)
+    assert weights.layers[0].wqkv.types == tuple(blocks.grouped_type(types[m]) for m in "qkv")
     down = weights.layers[0].moe.w2[0] if moe else weights.layers[0].w2
-    assert down.types == (types["down"],)
+    assert down.types == (blocks.grouped_type(types["down"]),)
     if moe:  # each expert's matrices are consecutive row ranges of the file's mapped tensors, not copies
         gates = [w13.parts[0] for w13 in weights.layers[0].moe.w13]
         assert len(gates) == gguf_files.EXPERTS and weights.layers[0].moe.top_k == gguf_files.EXPERTS_USED
@@ -101,6 +102,24 @@ def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, 
     # wrong type would move them by about 100%.)
     tolerance = 1e-5 if mix == "f16" else 0.06
     assert float(torch.linalg.norm(got - exact)) <= tolerance * float(torch.linalg.norm(exact))
+
+
+def test_the_map_is_grouped_once_and_read_either_way(tmp_path):
+    """Blocks the kernels read grouped (blocks.group) are rearranged in the file's map once: loading the same
+    file again, in blocks or decoded, reads the values the file holds, and the file itself is untouched."""
+    path = gguf_files.write(tmp_path / "m.gguf", MIXES["q4_0"])
+    before = path.read_bytes()
+    file = gguf_file.GGUFFile(path)
+    _, first = gguf_file.load(file)
+    _, again = gguf_file.load(file)
+    _, plain = gguf_file.load(file, plain=torch.float32)
+    _, fresh = gguf_file.load(path, plain=torch.float32)
+    for weights in (first, again):
+        assert weights.layers[1].wo.types == (blocks.grouped_type("Q4_0"),)
+        assert torch.equal(weights.layers[1].wo.dequantize(torch.float32), fresh.layers[1].wo)
+        assert torch.equal(weights.head.dequantize(torch.float32), fresh.head)
+    assert torch.equal(plain.layers[1].wo, fresh.layers[1].wo) and torch.equal(plain.head, fresh.head)
+    assert path.read_bytes() == before
 
 
 @pytest.mark.parametrize("arch, types, message", [
@@ -134,7 +153,8 @@ def test_the_embedded_model_loads_without_a_conversion(tmp_path, monkeypatch):
     loaded = checkpoint.load(None, model_impl="auto")
     config, weights = loaded.lean
     assert loaded.model is None and loaded.packed and loaded.source.endswith(".gguf")
-    assert weights.layers[0].w13.types == ("Q4_1", "Q4_1") and weights.embed is weights.head  # the file's, tied
+    assert weights.layers[0].w13.types == (blocks.grouped_type("Q4_1"),) * 2  # the file's blocks
+    assert weights.embed is weights.head  # tied
     assert not list(tmp_path.iterdir())  # nothing converted: the tokenizer is built from the file's metadata
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
 
@@ -157,7 +177,7 @@ def test_a_hf_checkpoint_is_packed_layer_by_layer_as_it_is_read(tiny_checkpoint,
     loaded = checkpoint.load(tiny_checkpoint, model_impl="auto", quantize=mode)
     assert loaded.model is None and loaded.packed
     config, weights = loaded.lean
-    assert weights.layers[0].w13.types == (quant.BLOCK_TYPES[mode],)
+    assert weights.layers[0].w13.types == (blocks.grouped_type(quant.BLOCK_TYPES[mode]),)
     assert weights.embed is weights.head  # tied: the head's blocks give the embedding's rows, one copy
     reference_config, plain = llama.from_transformers(tiny_model)  # the same weights, packed from the model
     expected = llama.LlamaRunner(reference_config, llama.pack(plain, mode))
@@ -185,7 +205,7 @@ def test_a_mixture_of_experts_checkpoint_is_packed_expert_by_expert(tiny_qwen3_m
     config, weights = loaded.lean
     moe = weights.layers[1].moe
     assert weights.layers[1].w13 is None and len(moe.w13) == 8 and moe.top_k == 3 and moe.norm_top_k
-    assert moe.w13[0].types == ("Q8_0",) and moe.router.dtype == torch.float32
+    assert moe.w13[0].types == (blocks.grouped_type("Q8_0"),) and moe.router.dtype == torch.float32
     reference_config, plain = llama.from_transformers(tiny_qwen3_moe)
     expected = llama.LlamaRunner(reference_config, llama.pack(plain, "int8"))
     assert torch.equal(llama.LlamaRunner(config, weights).score(IDS), expected.score(IDS))

@@ -109,9 +109,9 @@ def test_packed_formats_are_blocks_that_decode_to_their_weights(tiny_model, quan
     """--quantize packs every layer matrix into one GGML type; the blocks decode to the weights within the type's
     rounding, and a tied embedding reads its rows from the packed head (one copy)."""
     runner = lean(tiny_model, quantize)
-    expected_type = quant.BLOCK_TYPES[quantize]
+    expected_type = blocks.grouped_type(quant.BLOCK_TYPES[quantize])
     assert all(m.types == (expected_type,) for layer in runner.layers for m in layer.matrices())
-    assert runner.head.types == (quant.HEAD_TYPES[quantize],)  # int4's head at 8 bits
+    assert runner.head.types == (blocks.grouped_type(quant.HEAD_TYPES[quantize]),)  # int4's head at 8 bits
     assert runner.weights.embed is runner.head and runner.step is not None
     weight = tiny_model.model.layers[1].mlp.down_proj.weight.detach()
     step = {"none": 0, "bf16": 2**-8, "int8": 1 / 127, "int4": 1 / 15}[quantize]  # relative to the block's range
@@ -128,7 +128,7 @@ def test_rows_of_a_matrix_in_parts_of_two_types_decode_as_the_whole():
     torch.manual_seed(0)
     first, second = quant.to_blocks(torch.randn(5, 64), "int8"), quant.to_blocks(torch.randn(7, 64), "int4")
     whole = quant.BlockWeight(first.parts + second.parts, first.types + second.types)
-    assert whole.types == ("Q8_0", "Q4_1")
+    assert whole.types == (blocks.grouped_type("Q8_0"), blocks.grouped_type("Q4_1"))
     for matrix in (whole, first):
         rows = torch.tensor([4, 0, 4]) if matrix is first else torch.tensor([11, 2, 5, 0, 6])
         assert torch.equal(matrix.dequantize(torch.float32, rows), matrix.dequantize(torch.float32)[rows])
@@ -285,7 +285,7 @@ def test_build_picks_runner(tiny_model):
     assert isinstance(runner_for(Config()), llama.LlamaRunner)
     assert isinstance(runner_for(Config(model_impl="hf")), HFRunner)
     assert runner_for(Config()).layers[0].w13.types == ("F32",)  # auto: float weights stay as they are
-    assert runner_for(Config(quantize="int8")).head.types == ("Q8_0",)
+    assert runner_for(Config(quantize="int8")).head.types == (blocks.grouped_type("Q8_0"),)
     with pytest.raises(Exception, match="quantize int4 needs the lean forward"):
         runner_for(Config(model_impl="hf", quantize="int4"))
 

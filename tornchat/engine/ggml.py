@@ -38,7 +38,10 @@ TYPES = {t.name: t for t in [
     BlockType("F32", 1, 4), BlockType("F16", 1, 2), BlockType("BF16", 1, 2),
     BlockType("Q4_0", 32, 18), BlockType("Q4_1", 32, 20), BlockType("Q5_0", 32, 22), BlockType("Q5_1", 32, 24),
     BlockType("Q8_0", 32, 34), BlockType("Q4_K", 256, 144), BlockType("Q5_K", 256, 176), BlockType("Q6_K", 256, 210),
+    BlockType("Q4_0_G8", 32, 18), BlockType("Q4_1_G8", 32, 20), BlockType("Q8_0_G8", 32, 34),
 ]}
+# Our grouped layouts (``group``) and the file's types they rearrange.
+GROUPED = {"Q4_0_G8": "Q4_0", "Q4_1_G8": "Q4_1", "Q8_0_G8": "Q8_0"}
 INT4 = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit levels with, per group of 32 values, value = level * scale + low
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -96,8 +99,42 @@ def int4_levels(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.
     raise ValueError(f"{type_name} is not a 4-bit group-32 type")
 
 
+def group(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """Q4_0, Q4_1 or Q8_0 rows [N, row_bytes] in our grouped layout (type ``type_name + "_G8"``): the same bytes
+    per row and the same values, each whole group of 8 blocks rearranged as the 8 blocks' fp16 d, then (Q4_1)
+    their fp16 minimums, then the levels by step of 4 features (Q4: 4 steps of the nibble bytes 4t..4t+3, each
+    byte holding features 4t.. and 16 + 4t..; Q8_0: 8 steps of bytes 4t..4t+3), block j's 4 bytes at 4j: the
+    layout the avx2 kernels take their steps in (csrc/blocks.h). A row's short last group stays as it is."""
+    return _regroup(raw, type_name, to_grouped=True)
+
+
+def ungroup(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """A grouped type's rows (``group``) as the file stores them, in its type ``GROUPED[type_name]``."""
+    return _regroup(raw, GROUPED[type_name], to_grouped=False)
+
+
+def _regroup(raw: torch.Tensor, type_name: str, to_grouped: bool) -> torch.Tensor:
+    block = TYPES[type_name]
+    head = 4 if type_name == "Q4_1" else 2  # d (and the minimum), 2 bytes each
+    n, whole = raw.shape[0], raw.shape[1] // block.bytes // 8 * 8 * block.bytes
+    groups = raw[:, :whole].reshape(n, -1, 8 * block.bytes)
+    levels = block.bytes - head
+    if to_grouped:
+        blocks = groups.reshape(n, -1, 8, block.bytes)
+        scales = blocks[..., :head].reshape(n, -1, 8, head // 2, 2).transpose(2, 3)  # [n, g, field, block, 2]
+        steps = blocks[..., head:].reshape(n, -1, 8, levels // 4, 4).transpose(2, 3)  # [n, g, step, block, 4]
+        rearranged = torch.cat([scales.reshape(n, -1, 8 * head), steps.reshape(n, -1, 8 * levels)], dim=-1)
+    else:
+        scales = groups[..., : 8 * head].reshape(n, -1, head // 2, 8, 2).transpose(2, 3)  # [n, g, block, field, 2]
+        steps = groups[..., 8 * head :].reshape(n, -1, levels // 4, 8, 4).transpose(2, 3)  # [n, g, block, step, 4]
+        rearranged = torch.cat([scales.reshape(n, -1, 8, head), steps.reshape(n, -1, 8, levels)], dim=-1)
+    return torch.cat([rearranged.reshape(n, whole), raw[:, whole:]], dim=1)
+
+
 def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     """Any supported type's bytes [N, row_bytes] -> fp32 values [N, K]."""
+    if type_name in GROUPED:
+        return dequantize(ungroup(raw, type_name), GROUPED[type_name])
     if type_name in FLOATS:
         return raw.contiguous().view(FLOATS[type_name]).float()
     if type_name in INT4:
@@ -142,6 +179,8 @@ def values(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     """``dequantize``, in C++ where built."""
     if _native is None or type_name in FLOATS:
         return dequantize(raw, type_name)
+    if type_name in GROUPED:
+        raw, type_name = ungroup(raw, type_name), GROUPED[type_name]
     return _native.dequantize(raw.contiguous(), type_name, cols(raw, type_name))
 
 

@@ -47,17 +47,22 @@ class BlockWeight:
     def dequantize(self, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The values [N, K] the blocks hold (or only ``rows``), as llama.cpp decodes them."""
         if rows is None:
-            return torch.cat([ggml.values(p, t) for p, t in zip(self.parts, self.types)]).to(dtype)
+            return torch.cat([_values(p, t) for p, t in zip(self.parts, self.types)]).to(dtype)
         where = rows.cpu()
         if len(self.parts) == 1:  # an embedding's usual case: no part to find for each row (20 us a decode step)
-            return ggml.values(self.parts[0][where].contiguous(), self.types[0]).to(device=rows.device, dtype=dtype)
+            return _values(self.parts[0][where].contiguous(), self.types[0]).to(device=rows.device, dtype=dtype)
         starts = np.cumsum([0] + [p.shape[0] for p in self.parts])
         out = torch.empty(len(where), self.shape[1], dtype=torch.float32)
         for i, (part, type_name) in enumerate(zip(self.parts, self.types)):
             inside = (where >= int(starts[i])) & (where < int(starts[i + 1]))
             if inside.any():
-                out[inside] = ggml.values(part[where[inside] - int(starts[i])].contiguous(), type_name)
+                out[inside] = _values(part[where[inside] - int(starts[i])].contiguous(), type_name)
         return out.to(device=rows.device, dtype=dtype)
+
+
+def _values(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """``ggml.values``, a grouped layout's from the file's (one C++ pass, not ggml.ungroup's torch operations)."""
+    return ggml.values(*blocks.ungroup(raw, type_name))
 
 
 def to_blocks(weight: torch.Tensor, quantize: str, head: bool = False) -> BlockWeight:
@@ -73,8 +78,8 @@ def to_blocks(weight: torch.Tensor, quantize: str, head: bool = False) -> BlockW
         return BlockWeight((values.to(torch.bfloat16).contiguous().view(torch.uint8),), ("BF16",))
     from gguf import GGMLQuantizationType, quants
 
-    raw = quants.quantize(values.numpy(), GGMLQuantizationType[type_name])
-    return BlockWeight((torch.from_numpy(np.ascontiguousarray(raw)),), (type_name,))
+    raw = torch.from_numpy(np.ascontiguousarray(quants.quantize(values.numpy(), GGMLQuantizationType[type_name])))
+    return BlockWeight((raw,), (blocks.group(raw, type_name),))
 
 
 def group_levels(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

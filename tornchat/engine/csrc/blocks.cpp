@@ -49,6 +49,9 @@
 // takes against a row's broadcast activations (vnni_columns); the avx2 path does the same from AVX2_PANEL_ROWS
 // rows with panels of 8 columns and VPMADDUBSW (avx2_columns). Weights are prefetched about PREFETCH bytes of a
 // tile's reading ahead, into the next tile past a row's end (ahead).
+// On the avx2 and avxvnni paths Q4_0, Q4_1 and Q8_0 rows are best given grouped (blocks.h group_blocks): each
+// whole group's levels stored in the transposed steps, so the tiles load them (grouped_steps); the AVX-512 paths
+// run a grouped row on the avx2 kernels, whose operations are theirs.
 // The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
 // 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same panels), so it too gives the
 // same bits; block_isas() lists it first where the CPU and the kernel (arch_prctl ARCH_REQ_XCOMP_PERM) allow
@@ -112,11 +115,11 @@ inline bool type_info(int64_t type, TypeInfo& info) {
     case F32: info = {1, 4}; return true;
     case F16: info = {1, 2}; return true;
     case BF16: info = {1, 2}; return true;
-    case Q4_0: info = {32, 18}; return true;
-    case Q4_1: info = {32, 20}; return true;
+    case Q4_0: case Q4_0_G8: info = {32, 18}; return true;
+    case Q4_1: case Q4_1_G8: info = {32, 20}; return true;
     case Q5_0: info = {32, 22}; return true;
     case Q5_1: info = {32, 24}; return true;
-    case Q8_0: info = {32, 34}; return true;
+    case Q8_0: case Q8_0_G8: info = {32, 34}; return true;
     case Q4_K: info = {256, 144}; return true;
     case Q5_K: info = {256, 176}; return true;
     case Q6_K: info = {256, 210}; return true;
@@ -176,6 +179,7 @@ struct Job {
   const float* xf;  // fp32 x [rows, K] (float types)
   float* out;  // [rows, n_total]
   bool amx;  // AMX tiles for every 16 rows (the amx path: avx512vnni's, the same bits)
+  bool grouped;  // type's rows in the grouped layout (group_blocks): Q4_0, Q4_1, Q8_0
 };
 
 // Per group of 8 blocks of one weight row: the scales a (ws), the minimums m (wm), Q6_K's 16 sub-block
@@ -267,6 +271,33 @@ void generic_levels(const uint8_t* row, int64_t g, int j, int32_t* lv) {  // 32 
   }
 }
 
+// The grouped layout (blocks.h group_blocks): where block j of a whole group keeps its bytes. Q4_0, Q4_1, Q8_0
+// (bytes per block 18, 20, 34; the header 2 or 4 bytes, the levels the rest).
+struct GroupedAt {
+  int64_t bytes, head, levels_at;  // a block's bytes and header; where the group's levels start
+  explicit constexpr GroupedAt(int64_t type)
+      : bytes(type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34), head(type == Q4_1 ? 4 : 2), levels_at(8 * head) {}
+};
+
+// One row of nb blocks between the file's layout (file) and the grouped one (grouped), either way (to_grouped).
+inline void regroup_row(const uint8_t* from, uint8_t* to, int64_t nb, int64_t type, bool to_grouped) {
+  const GroupedAt at(type);
+  const int64_t full = nb / 8, group = 8 * at.bytes;
+  for (int64_t g = 0; g < full; ++g) {
+    const uint8_t* src = from + g * group;
+    uint8_t* dst = to + g * group;
+    for (int j = 0; j < 8; ++j)
+      for (int64_t i = 0; i < at.bytes; ++i) {
+        // byte i of block j: a header byte (d, then Q4_1's minimum: 2-byte halves) or level byte i - head
+        const int64_t l = i - at.head;
+        const int64_t g_at = l < 0 ? (i / 2) * 16 + 2 * j + i % 2 : at.levels_at + (l / 4) * 32 + 4 * j + l % 4;
+        if (to_grouped) dst[g_at] = src[j * at.bytes + i];
+        else dst[j * at.bytes + i] = src[g_at];
+      }
+  }
+  std::memcpy(to + full * group, from + full * group, (nb - full * 8) * at.bytes);  // the short group as it is
+}
+
 inline float lane_sum(const float* a) {
   const float b0 = a[0] + a[4], b1 = a[1] + a[5], b2 = a[2] + a[6], b3 = a[3] + a[7];
   return (b0 + b2) + (b1 + b3);
@@ -276,8 +307,13 @@ template <int64_t T>
 void generic_quant(const Job& jb, int64_t c0, int64_t c1) {
   const Acts& a = *jb.a;
   const int64_t ng = (jb.nb + 7) / 8;
+  std::vector<uint8_t> file_row(jb.grouped ? jb.row_bytes : 0);
   for (int64_t c = c0; c < c1; ++c) {
     const uint8_t* row = jb.w + c * jb.row_bytes;
+    if (jb.grouped) {  // the same values from the file's layout
+      regroup_row(row, file_row.data(), jb.nb, T, false);
+      row = file_row.data();
+    }
     for (int64_t r = 0; r < a.rows; ++r) {
       const int8_t* q = a.q.data() + r * a.k;
       const float* d = a.d.data() + r * a.nbp;
@@ -566,8 +602,10 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
   for (size_t i = 0; i < parts.size(); ++i) {
     TypeInfo info;
     type_info(types[i], info);
-    jobs.push_back(Job{types[i], k, k / QK, parts[i].size(1), n_total, offset, parts[i].data_ptr<uint8_t>(), &acts,
-                       xf.data_ptr<float>(), out.data_ptr<float>(), isa == Isa::amx});
+    const bool grouped = types[i] > GROUPED;
+    jobs.push_back(Job{grouped ? types[i] - GROUPED : types[i], k, k / QK, parts[i].size(1), n_total, offset,
+                       parts[i].data_ptr<uint8_t>(), &acts, xf.data_ptr<float>(), out.data_ptr<float>(),
+                       isa == Isa::amx, grouped});
     for (int64_t c = 0; c < parts[i].size(0); c += CHUNK) chunks.emplace_back(jobs.size() - 1, c);
     offset += parts[i].size(0);
   }
@@ -579,13 +617,54 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
       switch (isa) {
 #ifdef TORNCHAT_X86
         case Isa::amx:
-        case Isa::avx512vnni: avx512vnni_path::run(jb, c0, c1); break;
+        case Isa::avx512vnni:  // the grouped layouts are the avx2 kernels' (the same bits on every path)
+          if (jb.grouped) avx2_path::run(jb, c0, c1);
+          else avx512vnni_path::run(jb, c0, c1);
+          break;
         case Isa::avxvnni: avxvnni_path::run(jb, c0, c1); break;
         case Isa::avx2: avx2_path::run(jb, c0, c1); break;
 #endif
         default: generic_run(jb, c0, c1);
       }
     }
+  });
+  return out;
+}
+
+namespace {
+
+int64_t grouped_blocks(const at::Tensor& part, int64_t type) {
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0, "the grouped layouts are Q4_0's, Q4_1's and Q8_0's, not "
+              "type ", type, "'s");
+  TypeInfo info;
+  type_info(type, info);
+  TORCH_CHECK(part.device().is_cpu() && part.scalar_type() == at::kByte && part.dim() == 2 && part.is_contiguous() &&
+                  part.size(1) % info.bytes == 0,
+              "a part must be a contiguous CPU uint8 tensor [N, row_bytes] of whole blocks");
+  return part.size(1) / info.bytes;
+}
+
+}  // namespace
+
+void group_blocks(at::Tensor part, int64_t type) {
+  const int64_t nb = grouped_blocks(part, type), row_bytes = part.size(1);
+  uint8_t* data = part.data_ptr<uint8_t>();
+  at::parallel_for(0, part.size(0), 64, [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> row(row_bytes);
+    for (int64_t r = r0; r < r1; ++r) {
+      std::memcpy(row.data(), data + r * row_bytes, row_bytes);
+      regroup_row(row.data(), data + r * row_bytes, nb, type, true);
+    }
+  });
+}
+
+at::Tensor ungroup_blocks(const at::Tensor& part, int64_t type) {
+  const int64_t nb = grouped_blocks(part, type), row_bytes = part.size(1);
+  auto out = at::empty_like(part);
+  const uint8_t* from = part.data_ptr<uint8_t>();
+  uint8_t* to = out.data_ptr<uint8_t>();
+  at::parallel_for(0, part.size(0), 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) regroup_row(from + r * row_bytes, to + r * row_bytes, nb, type, false);
   });
   return out;
 }
@@ -600,6 +679,10 @@ void define_blocks(pybind11::module_& m) {
         "x [rows, K] times GGUF-block weights' parts transposed: fp32 [rows, N]",
         py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("isa") = "",
         py::call_guard<py::gil_scoped_release>());
+  m.def("group_blocks", &group_blocks, "a Q4_0, Q4_1 or Q8_0 part's rows rearranged in place into the grouped layout",
+        py::arg("part"), py::arg("type"));
+  m.def("ungroup_blocks", &ungroup_blocks, "a grouped part's bytes as the file stores them (type: Q4_0, Q4_1, Q8_0)",
+        py::arg("part"), py::arg("type"));
 }
 
 }  // namespace tornchat
@@ -617,9 +700,12 @@ namespace PASS_NS {
 // Zen 5, bench/blocks.py): long rows' products (Qwen3 4B's down, K = 9728) 1.3-1.9x faster, the others the same.
 constexpr int PREFETCH = TORNCHAT_PREFETCH;
 
-inline __attribute__((always_inline)) __m256i nibbles32(const uint8_t* p) {  // 16 bytes -> 32 levels
-  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+inline __attribute__((always_inline)) __m256i nibbles32(__m128i t) {  // 16 bytes -> 32 levels
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+inline __attribute__((always_inline)) __m256i nibbles32(const uint8_t* p) {
+  return nibbles32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
 inline __attribute__((always_inline)) __m256i bits32(const uint8_t* p) {  // 32 bits -> 32 bytes of 0x10 or 0
@@ -952,6 +1038,38 @@ inline __attribute__((always_inline)) void q4_steps(const uint8_t* row, int64_t 
   }
 }
 
+// A whole group g of a grouped row (group_blocks): its levels already in the transposed steps (quant_group's v),
+// its scales (and Q4_1's minimums) 8 fp16 in a row: loads, where the file's layout takes q4_steps' transposes
+// or transpose8 and a gather. 2026-11-28, AMD Zen 3, 2 threads: the 135M's Q4_1 layers at 1, 2 and 4 rows
+// 1.16x, 1.15x, 1.14x as fast, its Q8_0 head 1.46x, 1.28x, 1.23x (the head at one row then reads 36 GB/s).
+template <int64_t T>
+inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int64_t g, __m256i* v, __m256& ws, __m256& wm) {
+  constexpr GroupedAt at(T);
+  const uint8_t* p = row + g * 8 * at.bytes;
+  ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  wm = T == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))) : _mm256_setzero_ps();
+  const uint8_t* steps = p + at.levels_at;
+  if constexpr (T == Q8_0) {
+    for (int t = 0; t < 8; ++t) v[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + 32 * t));
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int t = 0; t < 4; ++t) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + 32 * t));
+      v[t] = _mm256_and_si256(bytes, low4);
+      v[t + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+    }
+  }
+}
+
+// Block j of a grouped row's whole group g as levels<T> gives it (the Q4 types; the panels' packing), and the
+// group's scales as meta gives them.
+template <int64_t T>
+inline __attribute__((always_inline)) __m256i grouped_levels(const uint8_t* row, int64_t g, int j) {
+  constexpr GroupedAt at(T);
+  const int* steps = reinterpret_cast<const int*>(row + g * 8 * at.bytes + at.levels_at + 4 * j);
+  return nibbles32(_mm_i32gather_epi32(steps, _mm_setr_epi32(0, 32, 64, 96), 1));
+}
+
 struct RowPtrs {  // one row of the quantized activations
   const int8_t *q, *qt;
   const float *d, *ds;
@@ -983,7 +1101,7 @@ inline __attribute__((always_inline)) __m256i block_lanes(int nj, Dot dot) {
 // TAIL: a short last group of nj < 8 blocks (the 32-block types only) takes each block's dot against the plain
 // activations and sums its lanes (block_lanes), where 8 transposed steps cost a whole group: the 135M's Q8_0
 // head, whose K of 576 is 2.25 groups, 1.10-1.16x (AMD Zen 3). The same exact integers, so the same bits.
-template <int64_t T, int R, bool TAIL>
+template <int64_t T, int R, bool TAIL, bool G = false>
 inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, int64_t g, int nj, const RowPtrs* x,
                                                        __m256 (*acc)[COLS], int64_t groups, int64_t row_bytes) {
   constexpr int sh = offset_shift(T);
@@ -994,7 +1112,9 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
     for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     __m256 ws, wm, lo, hi;
     __m256i v[8];
-    if constexpr (!TAIL && (T == Q4_0 || T == Q4_1)) {
+    if constexpr (G && !TAIL) {
+      grouped_steps<T>(w[c], g, v, ws, wm);
+    } else if constexpr (!TAIL && (T == Q4_0 || T == Q4_1)) {
       q4_steps<T>(w[c], g, v, ws, wm);
     } else {
       meta<T>(w[c], g, nj, ws, wm, lo, hi);
@@ -1328,7 +1448,7 @@ inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const*
 }
 #endif
 
-template <int64_t T, int R>
+template <int64_t T, int R, bool G = false>
 void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* const* out) {
   const Acts& a = *jb.a;
   constexpr int C = COLS;
@@ -1362,7 +1482,7 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
 #else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < full; ++g) quant_group<T, R, false>(w, g, 8, x, acc, groups, jb.row_bytes);
+  for (int64_t g = 0; g < full; ++g) quant_group<T, R, false, G>(w, g, 8, x, acc, groups, jb.row_bytes);
   if constexpr (!k_quant(T))
     if (jb.nb % 8) quant_group<T, R, true>(w, full, static_cast<int>(jb.nb % 8), x, acc, groups, jb.row_bytes);
 #endif
@@ -1397,7 +1517,7 @@ void float_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
 
 // Rows in tiles of R, the R rows sharing each unpacked weight block; 64 rows at a time so that their
 // activations stay in L2 while the chunk's columns pass.
-template <int64_t T, int R>
+template <int64_t T, int R, bool G = false>
 void tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* const* out) {
   if constexpr (is_float(T)) {
     // the float kernels keep all their accumulators in registers: at most 4 rows at a time
@@ -1407,7 +1527,7 @@ void tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* co
       else float_tile<T, 1>(jb, w, rows + r, out + r * COLS), r += 1;
     }
   } else {
-    quant_tile<T, R>(jb, w, rows, out);
+    quant_tile<T, R, G>(jb, w, rows, out);
   }
 }
 
@@ -1557,7 +1677,7 @@ void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
 // path, then the same sum of the 8 lanes, so the same bits. Q8_0 (signed levels) stays on the tiles. Rows in
 // tiles of M = 8 (16: 0.96x, 4: 0.87-0.99x). 2026-11-27, AMD Zen 3, 512 rows against the 8-row tiles: the 1B's
 // Q4_K products 1.33-1.52x as fast, Q6_K 1.30-1.53x (docs/performance.md).
-template <int64_t T>
+template <int64_t T, bool G>
 void avx2_pack(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& levels8, std::vector<float>& scales) {
   const int64_t nb = jb.nb, panels = (c1 - c0 + 7) / 8, groups = (nb + 7) / 8;
   levels8.resize(panels * nb * 256);
@@ -1572,7 +1692,12 @@ void avx2_pack(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& leve
       __m256i first[8], second[8];  // per column its group's 8 scales, transposed into per block its 8 columns'
       for (int i = 0; i < 8; ++i) {
         __m256 f[4];
-        meta<T>(w[i], g, nj, f[0], f[1], f[2], f[3]);
+        if (G && nj == 8) {
+          __m256i unused[8];
+          grouped_steps<T>(w[i], g, unused, f[0], f[1]);  // its loads of levels go unused
+        } else {
+          meta<T>(w[i], g, nj, f[0], f[1], f[2], f[3]);
+        }
         constexpr int at = T == Q6_K ? 2 : 0;
         first[i] = _mm256_castps_si256(f[at]), second[i] = _mm256_castps_si256(f[at + 1]);
       }
@@ -1583,7 +1708,7 @@ void avx2_pack(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& leve
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + b * 16), first[j]);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + b * 16 + 8), second[j]);
         __m256i v[8];
-        for (int i = 0; i < 8; ++i) v[i] = levels<T>(w[i], g, j);
+        for (int i = 0; i < 8; ++i) v[i] = G && nj == 8 ? grouped_levels<T>(w[i], g, j) : levels<T>(w[i], g, j);
         transpose8(v);
         for (int t = 0; t < 8; ++t) _mm256_storeu_si256(reinterpret_cast<__m256i*>(lv + b * 256 + 32 * t), v[t]);
       }
@@ -1591,14 +1716,14 @@ void avx2_pack(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& leve
   }
 }
 
-template <int64_t T, int M>
+template <int64_t T, int M, bool G>
 void avx2_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows) {
   const Acts& a = *jb.a;
   const int64_t nb = jb.nb, panels = (c1 - c0 + 7) / 8;
   constexpr int sh = offset_shift(T);
   thread_local std::vector<uint8_t> levels8;
   thread_local std::vector<float> scales;
-  avx2_pack<T>(jb, c0, c1, levels8, scales);
+  avx2_pack<T, G>(jb, c0, c1, levels8, scales);
   alignas(32) float acc[8][M][8];  // [lane j][row][column]
   for (int64_t r0 = 0; r0 < rows; r0 += M)
     for (int64_t p = 0; p < panels; ++p) {
@@ -1780,7 +1905,7 @@ AMX_TARGET void amx_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows1
 }
 #endif
 
-template <int64_t T>
+template <int64_t T, bool G = false>
 void run_type(const Job& jb, int64_t c0, int64_t c1) {
   const int64_t nrows = jb.a->rows;
   constexpr int64_t ROW_BLOCK = 64;
@@ -1806,7 +1931,7 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
   if constexpr (!is_float(T) && T != Q8_0) {
     if (nrows >= AVX2_PANEL_ROWS) {
       first_row = nrows / AVX2_PANEL_M * AVX2_PANEL_M;
-      avx2_columns<T, AVX2_PANEL_M>(jb, c0, c1, first_row);
+      avx2_columns<T, AVX2_PANEL_M, G>(jb, c0, c1, first_row);
     }
   }
 #endif
@@ -1827,17 +1952,17 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
           for (int j = 0; j < COLS; ++j)
             out[i * COLS + j] = c + j < c1 ? jb.out + (r + i) * jb.n_total + jb.col_offset + c + j : sink + i * COLS + j;
         }
-        if (R == PASS_RMAX) tile<T, PASS_RMAX>(jb, w, rows, out);
+        if (R == PASS_RMAX) tile<T, PASS_RMAX, G>(jb, w, rows, out);
 #if PASS_RMAX > 8
-        else if (R == 8) tile<T, 8>(jb, w, rows, out);
+        else if (R == 8) tile<T, 8, G>(jb, w, rows, out);
 #endif
-        else if (R == 7) tile<T, 7>(jb, w, rows, out);
-        else if (R == 6) tile<T, 6>(jb, w, rows, out);
-        else if (R == 5) tile<T, 5>(jb, w, rows, out);
-        else if (R == 4) tile<T, 4>(jb, w, rows, out);
-        else if (R == 3) tile<T, 3>(jb, w, rows, out);
-        else if (R == 2) tile<T, 2>(jb, w, rows, out);
-        else tile<T, 1>(jb, w, rows, out);
+        else if (R == 7) tile<T, 7, G>(jb, w, rows, out);
+        else if (R == 6) tile<T, 6, G>(jb, w, rows, out);
+        else if (R == 5) tile<T, 5, G>(jb, w, rows, out);
+        else if (R == 4) tile<T, 4, G>(jb, w, rows, out);
+        else if (R == 3) tile<T, 3, G>(jb, w, rows, out);
+        else if (R == 2) tile<T, 2, G>(jb, w, rows, out);
+        else tile<T, 1, G>(jb, w, rows, out);
         r += R;
       }
     }
@@ -1845,6 +1970,15 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
 }
 
 void run(const Job& jb, int64_t c0, int64_t c1) {
+#if PASS_VNNI < 2
+  if (jb.grouped) {
+    switch (jb.type) {
+      case Q4_0: return run_type<Q4_0, true>(jb, c0, c1);
+      case Q4_1: return run_type<Q4_1, true>(jb, c0, c1);
+      default: return run_type<Q8_0, true>(jb, c0, c1);
+    }
+  }
+#endif
   switch (jb.type) {
     case Q4_0: return run_type<Q4_0>(jb, c0, c1);
     case Q4_1: return run_type<Q4_1>(jb, c0, c1);
