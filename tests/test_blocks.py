@@ -176,26 +176,27 @@ GROUPABLE = ("Q4_0", "Q4_1", "Q8_0")
 @pytest.mark.parametrize("type_name", GROUPABLE)
 def test_grouped_layout(type_name):
     """csrc/blocks.h's grouped layout: the C++ rearrangement is ggml.group's, ungrouping gives the file's bytes
-    back, and the values are the file's; whole groups move (a block's bytes go to their places), a short last group
-    stays as it is."""
+    back, and the values are the file's; a whole group's block 1 keeps its d in bytes 2-3 and its first 4 levels
+    at bytes 4-7 of the first step, a short group's block 1 its d in bytes 2-3 and its levels after the group's
+    scales."""
     for k in (64, 256, 288, 576):
         part = make_part(type_name, 5, k, seed=k)
         grouped = part.clone()
         blocks._native().group_blocks(grouped, blocks.TYPE_IDS[type_name])
         name = type_name + "_G8"
-        assert torch.equal(grouped, ggml.group(part, type_name)), k
+        assert torch.equal(grouped, ggml.group(part, type_name)) and not torch.equal(grouped, part), k
         back, back_type = blocks.ungroup(grouped, name)
         assert torch.equal(ggml.ungroup(grouped, name), part) and torch.equal(back, part) and back_type == type_name, k
         assert torch.equal(ggml.values(grouped, name), ggml.dequantize(part, type_name)), k
-        whole = k // 256 * 256 // 32 * ggml.TYPES[type_name].bytes  # the whole groups' bytes
-        assert torch.equal(grouped[:, whole:], part[:, whole:]) and (k < 256 or not torch.equal(grouped, part)), k
-    # block 1 of a group: its d in bytes 2-3, its first 4 levels at 4 * 1 of the first step
     block = ggml.TYPES[type_name].bytes
     head = 4 if type_name == "Q4_1" else 2
-    row = ggml.group(make_part(type_name, 1, 256), type_name)[0]
-    original = make_part(type_name, 1, 256)[0]
+    original = make_part(type_name, 1, 256 + 96)[0]  # a whole group and a short one of 3 blocks
+    row = ggml.group(original[None], type_name)[0]
     assert torch.equal(row[2:4], original[block : block + 2])
     assert torch.equal(row[8 * head + 4 : 8 * head + 8], original[block + head : block + head + 4])
+    short, first = row[8 * block :], original[8 * block :]
+    assert torch.equal(short[2:4], first[block : block + 2])
+    assert torch.equal(short[3 * head + (block - head) : 3 * head + 2 * (block - head)], first[block + head : 2 * block])
 
 
 @pytest.mark.parametrize("type_name", GROUPABLE)

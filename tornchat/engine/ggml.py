@@ -104,7 +104,8 @@ def group(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     per row and the same values, each whole group of 8 blocks rearranged as the 8 blocks' fp16 d, then (Q4_1)
     their fp16 minimums, then the levels by step of 4 features (Q4: 4 steps of the nibble bytes 4t..4t+3, each
     byte holding features 4t.. and 16 + 4t..; Q8_0: 8 steps of bytes 4t..4t+3), block j's 4 bytes at 4j: the
-    layout the avx2 kernels take their steps in (csrc/blocks.h). A row's short last group stays as it is."""
+    layout the avx2 kernels take their steps in (csrc/blocks.h). A row's short last group of nj blocks: their nj
+    fp16 d, (Q4_1) their minimums, then each block's levels as the file has them."""
     return _regroup(raw, type_name, to_grouped=True)
 
 
@@ -115,20 +116,26 @@ def ungroup(raw: torch.Tensor, type_name: str) -> torch.Tensor:
 
 def _regroup(raw: torch.Tensor, type_name: str, to_grouped: bool) -> torch.Tensor:
     block = TYPES[type_name]
-    head = 4 if type_name == "Q4_1" else 2  # d (and the minimum), 2 bytes each
-    n, whole = raw.shape[0], raw.shape[1] // block.bytes // 8 * 8 * block.bytes
-    groups = raw[:, :whole].reshape(n, -1, 8 * block.bytes)
-    levels = block.bytes - head
-    if to_grouped:
-        blocks = groups.reshape(n, -1, 8, block.bytes)
-        scales = blocks[..., :head].reshape(n, -1, 8, head // 2, 2).transpose(2, 3)  # [n, g, field, block, 2]
-        steps = blocks[..., head:].reshape(n, -1, 8, levels // 4, 4).transpose(2, 3)  # [n, g, step, block, 4]
-        rearranged = torch.cat([scales.reshape(n, -1, 8 * head), steps.reshape(n, -1, 8 * levels)], dim=-1)
-    else:
-        scales = groups[..., : 8 * head].reshape(n, -1, head // 2, 8, 2).transpose(2, 3)  # [n, g, block, field, 2]
-        steps = groups[..., 8 * head :].reshape(n, -1, levels // 4, 8, 4).transpose(2, 3)  # [n, g, block, step, 4]
-        rearranged = torch.cat([scales.reshape(n, -1, 8, head), steps.reshape(n, -1, 8, levels)], dim=-1)
-    return torch.cat([rearranged.reshape(n, whole), raw[:, whole:]], dim=1)
+    head, levels = (4 if type_name == "Q4_1" else 2), block.bytes - (4 if type_name == "Q4_1" else 2)
+    n, blocks = raw.shape[0], raw.shape[1] // block.bytes
+    whole = blocks // 8 * 8 * block.bytes
+    groups, tail = raw[:, :whole].reshape(n, -1, 8 * block.bytes), raw[:, whole:].reshape(n, blocks % 8, block.bytes)
+    nj = blocks % 8
+    if to_grouped:  # per group: [field][block][2 bytes], then [step][block][4 bytes] (a short group: [block][levels])
+        by_block = groups.reshape(n, -1, 8, block.bytes)
+        scales = by_block[..., :head].reshape(n, -1, 8, head // 2, 2).transpose(2, 3)
+        steps = by_block[..., head:].reshape(n, -1, 8, levels // 4, 4).transpose(2, 3)
+        grouped = torch.cat([scales.reshape(n, -1, 8 * head), steps.reshape(n, -1, 8 * levels)], dim=-1)
+        short = torch.cat([tail[..., :head].reshape(n, nj, head // 2, 2).transpose(1, 2).reshape(n, -1),
+                           tail[..., head:].reshape(n, -1)], dim=-1)
+    else:  # per block: [field][2 bytes], then its levels
+        scales = groups[..., : 8 * head].reshape(n, -1, head // 2, 8, 2).transpose(2, 3)
+        steps = groups[..., 8 * head :].reshape(n, -1, levels // 4, 8, 4).transpose(2, 3)
+        grouped = torch.cat([scales.reshape(n, -1, 8, head), steps.reshape(n, -1, 8, levels)], dim=-1)
+        flat = tail.reshape(n, -1)
+        short = torch.cat([flat[:, : nj * head].reshape(n, head // 2, nj, 2).transpose(1, 2).reshape(n, nj, head),
+                           flat[:, nj * head :].reshape(n, nj, levels)], dim=-1)
+    return torch.cat([grouped.reshape(n, whole), short.reshape(n, -1)], dim=1)
 
 
 def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:

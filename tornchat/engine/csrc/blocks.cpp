@@ -282,20 +282,21 @@ struct GroupedAt {
 // One row of nb blocks between the file's layout (file) and the grouped one (grouped), either way (to_grouped).
 inline void regroup_row(const uint8_t* from, uint8_t* to, int64_t nb, int64_t type, bool to_grouped) {
   const GroupedAt at(type);
-  const int64_t full = nb / 8, group = 8 * at.bytes;
-  for (int64_t g = 0; g < full; ++g) {
-    const uint8_t* src = from + g * group;
-    uint8_t* dst = to + g * group;
-    for (int j = 0; j < 8; ++j)
+  for (int64_t first = 0; first < nb; first += 8) {
+    const int64_t nj = std::min<int64_t>(8, nb - first);  // a short last group: its levels block by block
+    const uint8_t* src = from + first * at.bytes;
+    uint8_t* dst = to + first * at.bytes;
+    for (int64_t j = 0; j < nj; ++j)
       for (int64_t i = 0; i < at.bytes; ++i) {
         // byte i of block j: a header byte (d, then Q4_1's minimum: 2-byte halves) or level byte i - head
         const int64_t l = i - at.head;
-        const int64_t g_at = l < 0 ? (i / 2) * 16 + 2 * j + i % 2 : at.levels_at + (l / 4) * 32 + 4 * j + l % 4;
+        const int64_t g_at = l < 0    ? (i / 2) * 2 * nj + 2 * j + i % 2
+                             : nj == 8 ? at.levels_at + (l / 4) * 32 + 4 * j + l % 4
+                                       : nj * at.head + j * (at.bytes - at.head) + l;
         if (to_grouped) dst[g_at] = src[j * at.bytes + i];
         else dst[j * at.bytes + i] = src[g_at];
       }
   }
-  std::memcpy(to + full * group, from + full * group, (nb - full * 8) * at.bytes);  // the short group as it is
 }
 
 inline float lane_sum(const float* a) {
@@ -1070,6 +1071,24 @@ inline __attribute__((always_inline)) __m256i grouped_levels(const uint8_t* row,
   return nibbles32(_mm_i32gather_epi32(steps, _mm_setr_epi32(0, 32, 64, 96), 1));
 }
 
+// A grouped row's short last group g of nj blocks: their scales (and Q4_1's minimums) as meta gives them, and
+// where their levels start, block after block as in the file. 16 bytes from either field lie within the group,
+// whose levels follow them (at least 16 bytes a block).
+template <int64_t T>
+inline __attribute__((always_inline)) const uint8_t* grouped_tail(const uint8_t* row, int64_t g, int nj, __m256& ws,
+                                                                  __m256& wm) {
+  constexpr GroupedAt at(T);
+  const uint8_t* p = row + g * 8 * at.bytes;
+  const __m128i keep = _mm_cmpgt_epi8(_mm_set1_epi8(static_cast<char>(2 * nj)),
+                                      _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  const auto halves8 = [&](const uint8_t* q) {
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), keep));
+  };
+  ws = halves8(p);
+  wm = T == Q4_1 ? halves8(p + 2 * nj) : _mm256_setzero_ps();
+  return p + nj * at.head;
+}
+
 struct RowPtrs {  // one row of the quantized activations
   const int8_t *q, *qt;
   const float *d, *ds;
@@ -1096,6 +1115,15 @@ inline __attribute__((always_inline)) __m256i block_lanes(int nj, Dot dot) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20), _mm256_permute2x128_si256(low, high, 0x31));
 }
 
+// Lane j of the result: block j's sum, from pair vectors p[i] holding blocks 2i (low 128 bits) and 2i + 1 (high),
+// 4 lanes each (the first nj blocks; the pairs past them zero).
+inline __attribute__((always_inline)) __m256i pair_lanes(int nj, const __m256i* p) {
+  const __m256i low = _mm256_hadd_epi32(p[0], p[1]);  // per 128 bits: blocks 0 and 2 (1 and 3), 2 lanes each
+  const __m256i high = nj > 4 ? _mm256_hadd_epi32(p[2], p[3]) : _mm256_setzero_si256();
+  // [0, 2, 4, 6 | 1, 3, 5, 7] into order
+  return _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(low, high), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // Group g for R rows and the tile's columns: lane i of each int32 accumulator is block 8g + i's exact dot,
 // summed over 8 steps of 4 features (the weights transposed once per column, the activations stored so).
 // TAIL: a short last group of nj < 8 blocks (the 32-block types only) takes each block's dot against the plain
@@ -1114,6 +1142,21 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
     __m256i v[8];
     if constexpr (G && !TAIL) {
       grouped_steps<T>(w[c], g, v, ws, wm);
+    } else if constexpr (G) {  // Q8_0: v[j] block j's levels; Q4: v[2i], v[2i + 1] blocks 2i and 2i + 1's low and
+                               // high nibbles (features 0-15, 16-31), one block per 128 bits
+      const uint8_t* lv = grouped_tail<T>(w[c], g, nj, ws, wm);
+      if constexpr (T == Q8_0) {
+        for (int j = 0; j < nj; ++j) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * j));
+      } else {
+        const __m256i low4 = _mm256_set1_epi8(0x0F);
+        for (int i = 0; 2 * i < nj; ++i) {
+          const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lv + 32 * i));
+          const __m256i bytes = 2 * i + 1 < nj ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * i))
+                                               : _mm256_zextsi128_si256(first);
+          v[2 * i] = _mm256_and_si256(bytes, low4);
+          v[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+        }
+      }
     } else if constexpr (!TAIL && (T == Q4_0 || T == Q4_1)) {
       q4_steps<T>(w[c], g, v, ws, wm);
     } else {
@@ -1148,7 +1191,23 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
           sum = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x[r].sums + g * 8)), sh >= 0 ? sh : 7);
         else
           sum = _mm256_setzero_si256();
-        if constexpr (TAIL) {
+        if constexpr (TAIL && G && T != Q8_0) {  // blocks by pairs, the activations' halves beside each other
+          const int8_t* xq = x[r].q + g * 256;
+          const auto block = [&](int j) {
+            return j < nj ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j)) : _mm256_setzero_si256();
+          };
+          __m256i pairs[4];
+          for (int i = 0; i < 4; ++i) {
+            if (2 * i >= nj) {
+              pairs[i] = _mm256_setzero_si256();
+              continue;
+            }
+            const __m256i x0 = block(2 * i), x1 = block(2 * i + 1);
+            const __m256i low = _mm256_permute2x128_si256(x0, x1, 0x20), high = _mm256_permute2x128_si256(x0, x1, 0x31);
+            pairs[i] = dots<T, 2>(_mm256_setzero_si256(), v + 2 * i, [&](int t) { return t ? high : low; });
+          }
+          sum = _mm256_add_epi32(sum, pair_lanes(nj, pairs));
+        } else if constexpr (TAIL) {
           const int8_t* xq = x[r].q + g * 256;
           sum = _mm256_add_epi32(sum, block_lanes(nj, [&](int j) {
             const __m256i xj = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * j));
@@ -1484,7 +1543,7 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < full; ++g) quant_group<T, R, false, G>(w, g, 8, x, acc, groups, jb.row_bytes);
   if constexpr (!k_quant(T))
-    if (jb.nb % 8) quant_group<T, R, true>(w, full, static_cast<int>(jb.nb % 8), x, acc, groups, jb.row_bytes);
+    if (jb.nb % 8) quant_group<T, R, true, G>(w, full, static_cast<int>(jb.nb % 8), x, acc, groups, jb.row_bytes);
 #endif
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) out[r * C + c][0] = lanes8(acc[r][c]);
@@ -1695,6 +1754,8 @@ void avx2_pack(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& leve
         if (G && nj == 8) {
           __m256i unused[8];
           grouped_steps<T>(w[i], g, unused, f[0], f[1]);  // its loads of levels go unused
+        } else if (G) {
+          grouped_tail<T>(w[i], g, nj, f[0], f[1]);
         } else {
           meta<T>(w[i], g, nj, f[0], f[1], f[2], f[3]);
         }
@@ -1708,7 +1769,11 @@ void avx2_pack(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& leve
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + b * 16), first[j]);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + b * 16 + 8), second[j]);
         __m256i v[8];
-        for (int i = 0; i < 8; ++i) v[i] = G && nj == 8 ? grouped_levels<T>(w[i], g, j) : levels<T>(w[i], g, j);
+        for (int i = 0; i < 8; ++i) {
+          constexpr GroupedAt at(T);  // a grouped short group's levels: block after block, past its scales
+          v[i] = !G ? levels<T>(w[i], g, j) : nj == 8 ? grouped_levels<T>(w[i], g, j)
+                                                   : nibbles32(w[i] + g * 8 * at.bytes + nj * at.head + 16 * j);
+        }
         transpose8(v);
         for (int t = 0; t < 8; ++t) _mm256_storeu_si256(reinterpret_cast<__m256i*>(lv + b * 256 + 32 * t), v[t]);
       }

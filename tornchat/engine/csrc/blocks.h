@@ -39,8 +39,9 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
 // and the same values, each whole group of 8 blocks rearranged as [the 8 blocks' fp16 d][Q4_1: their fp16
 // minimums][the levels, per step t of 4 features (Q4: 4 steps of nibble bytes 4t..4t+3, each byte holding
 // features 4t.. and 16 + 4t..; Q8_0: 8 steps of bytes 4t..4t+3), block j's 4 bytes at 4j]; a row's short last
-// group stays as the file has it. It is the layout the avx2 kernels take their steps in (Acts::qt's), so that a
-// group costs them loads where the file's needs transposes. group_blocks rearranges part (uint8 [N, row_bytes]
+// group of nj blocks as [their nj fp16 d][Q4_1: their minimums][each block's levels as the file has them]. It is
+// the layout the avx2 kernels take their steps in (Acts::qt's), so that a group costs them loads where the file's
+// needs transposes, and a short group's scales one load. group_blocks rearranges part (uint8 [N, row_bytes]
 // of the type given) in place; ungroup_blocks returns a grouped part's bytes as the file stores them.
 void group_blocks(at::Tensor part, int64_t type);
 at::Tensor ungroup_blocks(const at::Tensor& part, int64_t type);
