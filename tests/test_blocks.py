@@ -170,7 +170,7 @@ def test_every_short_group(type_name):
             assert torch.equal(blocks.mm(x[1:2], [part], [type_name], isa), want[1:2]), (isa, tail)
 
 
-GROUPABLE = ("Q4_0", "Q4_1", "Q8_0")
+GROUPABLE = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
 
 
 @pytest.mark.parametrize("type_name", GROUPABLE)
@@ -178,8 +178,8 @@ def test_grouped_layout(type_name):
     """csrc/blocks.h's grouped layout: the C++ rearrangement is ggml.group's, ungrouping gives the file's bytes
     back, and the values are the file's; a whole group's block 1 keeps its d in bytes 2-3 and its first 4 levels
     at bytes 4-7 of the first step, a short group's block 1 its d in bytes 2-3 and its levels after the group's
-    scales."""
-    for k in (64, 256, 288, 576):
+    scales; a Q4_K super-block keeps its scales and puts its sub-blocks' levels in the same steps."""
+    for k in (256, 768) if type_name in K_QUANTS else (64, 256, 288, 576):
         part = make_part(type_name, 5, k, seed=k)
         grouped = part.clone()
         blocks._native().group_blocks(grouped, blocks.TYPE_IDS[type_name])
@@ -188,6 +188,12 @@ def test_grouped_layout(type_name):
         back, back_type = blocks.ungroup(grouped, name)
         assert torch.equal(ggml.ungroup(grouped, name), part) and torch.equal(back, part) and back_type == type_name, k
         assert torch.equal(ggml.values(grouped, name), ggml.dequantize(part, type_name)), k
+    if type_name == "Q4_K":  # sub-block 3's features 0-3 and 16-19: the high nibbles of bytes 32-35 and 48-51
+        original = make_part(type_name, 1, 256)[0]
+        row = ggml.group(original[None], type_name)[0]
+        assert torch.equal(row[:16], original[:16])
+        assert torch.equal(row[16 + 12 : 16 + 16], (original[16 + 32 : 16 + 36] >> 4) | (original[16 + 48 : 16 + 52] & 0xF0))
+        return
     block = ggml.TYPES[type_name].bytes
     head = 4 if type_name == "Q4_1" else 2
     original = make_part(type_name, 1, 256 + 96)[0]  # a whole group and a short one of 3 blocks
@@ -204,7 +210,7 @@ def test_grouped_rows_give_the_files_bits(type_name):
     """A grouped part's products are the file's, bit for bit, on every path (the AVX-512 paths run grouped rows
     on the avx2 kernels) and at any number of rows (the tiles, and from 16 rows the avx2 panels), in a call with
     parts of other types too, with and without a short last group."""
-    for k in (256, 288, 576):
+    for k in (256, 512, 768) if type_name in K_QUANTS else (256, 288, 576):
         part = make_part(type_name, 37, k, seed=k + 1)
         other = make_part("Q4_K" if k % 256 == 0 else "Q5_0", 11, k, seed=k + 2)
         other_type = "Q4_K" if k % 256 == 0 else "Q5_0"

@@ -39,9 +39,10 @@ TYPES = {t.name: t for t in [
     BlockType("Q4_0", 32, 18), BlockType("Q4_1", 32, 20), BlockType("Q5_0", 32, 22), BlockType("Q5_1", 32, 24),
     BlockType("Q8_0", 32, 34), BlockType("Q4_K", 256, 144), BlockType("Q5_K", 256, 176), BlockType("Q6_K", 256, 210),
     BlockType("Q4_0_G8", 32, 18), BlockType("Q4_1_G8", 32, 20), BlockType("Q8_0_G8", 32, 34),
+    BlockType("Q4_K_G8", 256, 144),
 ]}
 # Our grouped layouts (``group``) and the file's types they rearrange.
-GROUPED = {"Q4_0_G8": "Q4_0", "Q4_1_G8": "Q4_1", "Q8_0_G8": "Q8_0"}
+GROUPED = {"Q4_0_G8": "Q4_0", "Q4_1_G8": "Q4_1", "Q8_0_G8": "Q8_0", "Q4_K_G8": "Q4_K"}
 INT4 = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit levels with, per group of 32 values, value = level * scale + low
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -105,7 +106,8 @@ def group(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     their fp16 minimums, then the levels by step of 4 features (Q4: 4 steps of the nibble bytes 4t..4t+3, each
     byte holding features 4t.. and 16 + 4t..; Q8_0: 8 steps of bytes 4t..4t+3), block j's 4 bytes at 4j: the
     layout the avx2 kernels take their steps in (csrc/blocks.h). A row's short last group of nj blocks: their nj
-    fp16 d, (Q4_1) their minimums, then each block's levels as the file has them."""
+    fp16 d, (Q4_1) their minimums, then each block's levels as the file has them. Q4_K: each super-block's 16
+    bytes of scales as they are, then its 8 sub-blocks' levels in the Q4 types' 4 steps."""
     return _regroup(raw, type_name, to_grouped=True)
 
 
@@ -115,6 +117,8 @@ def ungroup(raw: torch.Tensor, type_name: str) -> torch.Tensor:
 
 
 def _regroup(raw: torch.Tensor, type_name: str, to_grouped: bool) -> torch.Tensor:
+    if type_name == "Q4_K":
+        return _regroup_q4k(raw, to_grouped)
     block = TYPES[type_name]
     head, levels = (4 if type_name == "Q4_1" else 2), block.bytes - (4 if type_name == "Q4_1" else 2)
     n, blocks = raw.shape[0], raw.shape[1] // block.bytes
@@ -136,6 +140,21 @@ def _regroup(raw: torch.Tensor, type_name: str, to_grouped: bool) -> torch.Tenso
         short = torch.cat([flat[:, : nj * head].reshape(n, head // 2, nj, 2).transpose(1, 2).reshape(n, nj, head),
                            flat[:, nj * head :].reshape(n, nj, levels)], dim=-1)
     return torch.cat([grouped.reshape(n, whole), short.reshape(n, -1)], dim=1)
+
+
+def _regroup_q4k(raw: torch.Tensor, to_grouped: bool) -> torch.Tensor:
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, 144)
+    scales, qs = blocks[..., :16], blocks[..., 16:]
+    if to_grouped:  # levels [sub-block j][half h][step t][byte b] -> bytes [t][j][b], half h in nibble h
+        levels = _k_nibbles(qs).reshape(n, -1, 8, 2, 4, 4).permute(0, 1, 4, 2, 3, 5)  # [n, sb, t, j, h, b]
+        packed = levels[..., 0, :] | (levels[..., 1, :] << 4)
+    else:  # bytes [t][j][b] -> levels of sub-block j, feature 16h + 4t + b -> the file's 32-byte chunks
+        steps = qs.reshape(n, -1, 4, 8, 4)
+        halves = torch.stack([steps & 0xF, steps >> 4], dim=-2)  # [n, sb, t, j, h, b]
+        levels = halves.permute(0, 1, 3, 4, 2, 5).reshape(n, -1, 4, 2, 32)  # [n, sb, chunk, j % 2, feature]
+        packed = levels[..., 0, :] | (levels[..., 1, :] << 4)
+    return torch.cat([scales, packed.reshape(n, -1, 128)], dim=-1).reshape(n, -1)
 
 
 def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:

@@ -49,7 +49,7 @@
 // takes against a row's broadcast activations (vnni_columns); the avx2 path does the same from AVX2_PANEL_ROWS
 // rows with panels of 8 columns and VPMADDUBSW (avx2_columns). Weights are prefetched about PREFETCH bytes of a
 // tile's reading ahead, into the next tile past a row's end (ahead).
-// On the avx2 and avxvnni paths Q4_0, Q4_1 and Q8_0 rows are best given grouped (blocks.h group_blocks): each
+// On the avx2 and avxvnni paths Q4_0, Q4_1, Q8_0 and Q4_K rows are best given grouped (blocks.h group_blocks): each
 // whole group's levels stored in the transposed steps, so the tiles load them (grouped_steps); the AVX-512 paths
 // run a grouped row on the avx2 kernels, whose operations are theirs.
 // The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
@@ -120,7 +120,7 @@ inline bool type_info(int64_t type, TypeInfo& info) {
     case Q5_0: info = {32, 22}; return true;
     case Q5_1: info = {32, 24}; return true;
     case Q8_0: case Q8_0_G8: info = {32, 34}; return true;
-    case Q4_K: info = {256, 144}; return true;
+    case Q4_K: case Q4_K_G8: info = {256, 144}; return true;
     case Q5_K: info = {256, 176}; return true;
     case Q6_K: info = {256, 210}; return true;
     default: return false;
@@ -179,7 +179,7 @@ struct Job {
   const float* xf;  // fp32 x [rows, K] (float types)
   float* out;  // [rows, n_total]
   bool amx;  // AMX tiles for every 16 rows (the amx path: avx512vnni's, the same bits)
-  bool grouped;  // type's rows in the grouped layout (group_blocks): Q4_0, Q4_1, Q8_0
+  bool grouped;  // type's rows in the grouped layout (group_blocks): Q4_0, Q4_1, Q8_0, Q4_K
 };
 
 // Per group of 8 blocks of one weight row: the scales a (ws), the minimums m (wm), Q6_K's 16 sub-block
@@ -273,14 +273,44 @@ void generic_levels(const uint8_t* row, int64_t g, int j, int32_t* lv) {  // 32 
 
 // The grouped layout (blocks.h group_blocks): where block j of a whole group keeps its bytes. Q4_0, Q4_1, Q8_0
 // (bytes per block 18, 20, 34; the header 2 or 4 bytes, the levels the rest).
+// Q4_K: a super-block of 8 sub-blocks is the group, its 16 bytes of scales stay first.
 struct GroupedAt {
-  int64_t bytes, head, levels_at;  // a block's bytes and header; where the group's levels start
+  int64_t bytes, head, levels_at, group;  // a block's bytes and header; where a group's levels start; its bytes
   explicit constexpr GroupedAt(int64_t type)
-      : bytes(type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34), head(type == Q4_1 ? 4 : 2), levels_at(8 * head) {}
+      : bytes(type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0), head(type == Q4_1 ? 4 : 2),
+        levels_at(type == Q4_K ? 16 : 8 * head), group(type == Q4_K ? 144 : 8 * bytes) {}
 };
 
-// One row of nb blocks between the file's layout (file) and the grouped one (grouped), either way (to_grouped).
+// A Q4_K super-block's 256 levels, sub-block j's feature f at 32j + f, from the file's layout (each 32 bytes hold
+// sub-blocks 2c and 2c + 1 in their low and high nibbles) or the grouped one (grouped: as the Q4 types' steps).
+inline void q4k_levels(const uint8_t* sb, bool grouped, uint8_t* lv) {
+  for (int j = 0; j < 8; ++j)
+    for (int f = 0; f < 32; ++f) {
+      const int at = grouped ? 16 + 32 * ((f % 16) / 4) + 4 * j + f % 4 : 16 + 32 * (j / 2) + f;
+      lv[32 * j + f] = (sb[at] >> (grouped ? 4 * (f / 16) : 4 * (j % 2))) & 0xF;
+    }
+}
+
+inline void q4k_store(const uint8_t* lv, bool grouped, uint8_t* sb) {
+  for (int j = 0; j < 8; ++j)
+    for (int f = 0; f < 32; ++f) {
+      const int at = grouped ? 16 + 32 * ((f % 16) / 4) + 4 * j + f % 4 : 16 + 32 * (j / 2) + f;
+      const int shift = grouped ? 4 * (f / 16) : 4 * (j % 2);
+      sb[at] = static_cast<uint8_t>((sb[at] & ~(0xF << shift)) | (lv[32 * j + f] << shift));
+    }
+}
+
+// One row of nb blocks of 32 values between the file's layout and the grouped one, either way (to_grouped).
 inline void regroup_row(const uint8_t* from, uint8_t* to, int64_t nb, int64_t type, bool to_grouped) {
+  if (type == Q4_K) {
+    for (int64_t g = 0; g < nb / 8; ++g) {
+      uint8_t lv[256];
+      q4k_levels(from + 144 * g, !to_grouped, lv);
+      std::memcpy(to + 144 * g, from + 144 * g, 16);
+      q4k_store(lv, to_grouped, to + 144 * g);
+    }
+    return;
+  }
   const GroupedAt at(type);
   for (int64_t first = 0; first < nb; first += 8) {
     const int64_t nj = std::min<int64_t>(8, nb - first);  // a short last group: its levels block by block
@@ -635,14 +665,14 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
 namespace {
 
 int64_t grouped_blocks(const at::Tensor& part, int64_t type) {
-  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0, "the grouped layouts are Q4_0's, Q4_1's and Q8_0's, not "
-              "type ", type, "'s");
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K,
+              "the grouped layouts are Q4_0's, Q4_1's, Q8_0's and Q4_K's, not type ", type, "'s");
   TypeInfo info;
   type_info(type, info);
   TORCH_CHECK(part.device().is_cpu() && part.scalar_type() == at::kByte && part.dim() == 2 && part.is_contiguous() &&
                   part.size(1) % info.bytes == 0,
               "a part must be a contiguous CPU uint8 tensor [N, row_bytes] of whole blocks");
-  return part.size(1) / info.bytes;
+  return part.size(1) / info.bytes * info.values / QK;  // blocks of 32 values
 }
 
 }  // namespace
@@ -680,9 +710,9 @@ void define_blocks(pybind11::module_& m) {
         "x [rows, K] times GGUF-block weights' parts transposed: fp32 [rows, N]",
         py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("isa") = "",
         py::call_guard<py::gil_scoped_release>());
-  m.def("group_blocks", &group_blocks, "a Q4_0, Q4_1 or Q8_0 part's rows rearranged in place into the grouped layout",
+  m.def("group_blocks", &group_blocks, "a Q4_0, Q4_1, Q8_0 or Q4_K part's rows rearranged in place into the grouped layout",
         py::arg("part"), py::arg("type"));
-  m.def("ungroup_blocks", &ungroup_blocks, "a grouped part's bytes as the file stores them (type: Q4_0, Q4_1, Q8_0)",
+  m.def("ungroup_blocks", &ungroup_blocks, "a grouped part's bytes as the file stores them (type: Q4_0, Q4_1, Q8_0, Q4_K)",
         py::arg("part"), py::arg("type"));
 }
 
@@ -1046,9 +1076,14 @@ inline __attribute__((always_inline)) void q4_steps(const uint8_t* row, int64_t 
 template <int64_t T>
 inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int64_t g, __m256i* v, __m256& ws, __m256& wm) {
   constexpr GroupedAt at(T);
-  const uint8_t* p = row + g * 8 * at.bytes;
-  ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  wm = T == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))) : _mm256_setzero_ps();
+  const uint8_t* p = row + g * at.group;
+  if constexpr (T == Q4_K) {  // its scales as the file has them
+    __m256 unused[2];
+    meta<T>(row, g, 8, ws, wm, unused[0], unused[1]);
+  } else {
+    ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    wm = T == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))) : _mm256_setzero_ps();
+  }
   const uint8_t* steps = p + at.levels_at;
   if constexpr (T == Q8_0) {
     for (int t = 0; t < 8; ++t) v[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + 32 * t));
@@ -1067,7 +1102,7 @@ inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int
 template <int64_t T>
 inline __attribute__((always_inline)) __m256i grouped_levels(const uint8_t* row, int64_t g, int j) {
   constexpr GroupedAt at(T);
-  const int* steps = reinterpret_cast<const int*>(row + g * 8 * at.bytes + at.levels_at + 4 * j);
+  const int* steps = reinterpret_cast<const int*>(row + g * at.group + at.levels_at + 4 * j);
   return nibbles32(_mm_i32gather_epi32(steps, _mm_setr_epi32(0, 32, 64, 96), 1));
 }
 
@@ -1751,10 +1786,10 @@ void avx2_pack(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& leve
       __m256i first[8], second[8];  // per column its group's 8 scales, transposed into per block its 8 columns'
       for (int i = 0; i < 8; ++i) {
         __m256 f[4];
-        if (G && nj == 8) {
+        if (G && nj == 8 && T != Q4_K) {
           __m256i unused[8];
           grouped_steps<T>(w[i], g, unused, f[0], f[1]);  // its loads of levels go unused
-        } else if (G) {
+        } else if (G && T != Q4_K) {
           grouped_tail<T>(w[i], g, nj, f[0], f[1]);
         } else {
           meta<T>(w[i], g, nj, f[0], f[1], f[2], f[3]);
@@ -2040,6 +2075,7 @@ void run(const Job& jb, int64_t c0, int64_t c1) {
     switch (jb.type) {
       case Q4_0: return run_type<Q4_0, true>(jb, c0, c1);
       case Q4_1: return run_type<Q4_1, true>(jb, c0, c1);
+      case Q4_K: return run_type<Q4_K, true>(jb, c0, c1);
       default: return run_type<Q8_0, true>(jb, c0, c1);
     }
   }
