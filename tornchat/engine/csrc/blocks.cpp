@@ -281,51 +281,55 @@ struct GroupedAt {
         levels_at(type == Q4_K ? 16 : 8 * head), group(type == Q4_K ? 144 : 8 * bytes) {}
 };
 
-// A Q4_K super-block's 256 levels, sub-block j's feature f at 32j + f, from the file's layout (each 32 bytes hold
-// sub-blocks 2c and 2c + 1 in their low and high nibbles) or the grouped one (grouped: as the Q4 types' steps).
-inline void q4k_levels(const uint8_t* sb, bool grouped, uint8_t* lv) {
-  for (int j = 0; j < 8; ++j)
-    for (int f = 0; f < 32; ++f) {
-      const int at = grouped ? 16 + 32 * ((f % 16) / 4) + 4 * j + f % 4 : 16 + 32 * (j / 2) + f;
-      lv[32 * j + f] = (sb[at] >> (grouped ? 4 * (f / 16) : 4 * (j % 2))) & 0xF;
-    }
-}
-
-inline void q4k_store(const uint8_t* lv, bool grouped, uint8_t* sb) {
-  for (int j = 0; j < 8; ++j)
-    for (int f = 0; f < 32; ++f) {
-      const int at = grouped ? 16 + 32 * ((f % 16) / 4) + 4 * j + f % 4 : 16 + 32 * (j / 2) + f;
-      const int shift = grouped ? 4 * (f / 16) : 4 * (j % 2);
-      sb[at] = static_cast<uint8_t>((sb[at] & ~(0xF << shift)) | (lv[32 * j + f] << shift));
-    }
-}
-
-// One row of nb blocks of 32 values between the file's layout and the grouped one, either way (to_grouped).
+// One row of nb blocks of 32 values between the file's layout and the grouped one, either way (to_grouped), by
+// words: a block's fields and its levels' 4-byte steps each go to their place (Q4_K's nibbles change bytes: a
+// file's 32 bytes hold sub-blocks 2c and 2c + 1 in their low and high nibbles, the grouped steps one sub-block's
+// features 4t.. and 16 + 4t..).
 inline void regroup_row(const uint8_t* from, uint8_t* to, int64_t nb, int64_t type, bool to_grouped) {
+  const auto word = [](const uint8_t* p) {
+    uint32_t w;
+    std::memcpy(&w, p, 4);
+    return w;
+  };
+  const auto put = [](uint8_t* p, uint32_t w) { std::memcpy(p, &w, 4); };
+  constexpr uint32_t low = 0x0F0F0F0F;
   if (type == Q4_K) {
     for (int64_t g = 0; g < nb / 8; ++g) {
-      uint8_t lv[256];
-      q4k_levels(from + 144 * g, !to_grouped, lv);
-      std::memcpy(to + 144 * g, from + 144 * g, 16);
-      q4k_store(lv, to_grouped, to + 144 * g);
+      const uint8_t* src = from + 144 * g;
+      uint8_t* dst = to + 144 * g;
+      std::memcpy(dst, src, 16);  // d, dmin and the scales
+      for (int c = 0; c < 4; ++c)
+        for (int t = 0; t < 4; ++t) {
+          const int file_at = 16 + 32 * c + 4 * t, even = 16 + 32 * t + 8 * c;  // sub-block 2c's step t, 2c + 1 beside it
+          if (to_grouped) {
+            const uint32_t a = word(src + file_at), b = word(src + file_at + 16);  // features 4t.., 16 + 4t..
+            put(dst + even, (a & low) | ((b & low) << 4));
+            put(dst + even + 4, ((a >> 4) & low) | (b & ~low));
+          } else {
+            const uint32_t l = word(src + even), h = word(src + even + 4);
+            put(dst + file_at, (l & low) | ((h & low) << 4));
+            put(dst + file_at + 16, ((l >> 4) & low) | (h & ~low));
+          }
+        }
     }
     return;
   }
   const GroupedAt at(type);
+  const int64_t levels = at.bytes - at.head;
   for (int64_t first = 0; first < nb; first += 8) {
     const int64_t nj = std::min<int64_t>(8, nb - first);  // a short last group: its levels block by block
     const uint8_t* src = from + first * at.bytes;
     uint8_t* dst = to + first * at.bytes;
-    for (int64_t j = 0; j < nj; ++j)
-      for (int64_t i = 0; i < at.bytes; ++i) {
-        // byte i of block j: a header byte (d, then Q4_1's minimum: 2-byte halves) or level byte i - head
-        const int64_t l = i - at.head;
-        const int64_t g_at = l < 0    ? (i / 2) * 2 * nj + 2 * j + i % 2
-                             : nj == 8 ? at.levels_at + (l / 4) * 32 + 4 * j + l % 4
-                                       : nj * at.head + j * (at.bytes - at.head) + l;
-        if (to_grouped) dst[g_at] = src[j * at.bytes + i];
-        else dst[j * at.bytes + i] = src[g_at];
-      }
+    const auto move = [&](int64_t file_at, int64_t grouped_at, int64_t n) {
+      if (to_grouped) std::memcpy(dst + grouped_at, src + file_at, n);
+      else std::memcpy(dst + file_at, src + grouped_at, n);
+    };
+    for (int64_t j = 0; j < nj; ++j) {
+      for (int64_t f = 0; f < at.head / 2; ++f) move(j * at.bytes + 2 * f, f * 2 * nj + 2 * j, 2);  // d, minimum
+      if (nj < 8) move(j * at.bytes + at.head, nj * at.head + j * levels, levels);
+      else
+        for (int64_t t = 0; t < levels / 4; ++t) move(j * at.bytes + at.head + 4 * t, at.levels_at + 32 * t + 4 * j, 4);
+    }
   }
 }
 
