@@ -300,9 +300,9 @@ def _check_type(file: GGUFFile, name: str) -> str:
     if name not in file.tensors:
         raise UnsupportedFile(f"{file.path.name} has no tensor {name}")
     type_name = file.tensors[name].type_name
-    if type_name not in ggml.TYPES:
+    if type_name not in ggml.TYPES or type_name in ggml.GROUPED:  # our grouped layouts are no file's types
         raise UnsupportedFile(f"tensor type {type_name} ({name}) in {file.path.name} is not supported "
-                              f"(supported: {', '.join(ggml.TYPES)})")
+                              f"(supported: {', '.join(t for t in ggml.TYPES if t not in ggml.GROUPED)})")
     return type_name
 
 

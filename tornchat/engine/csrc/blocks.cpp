@@ -1075,8 +1075,9 @@ inline __attribute__((always_inline)) void q4_steps(const uint8_t* row, int64_t 
 
 // A whole group g of a grouped row (group_blocks): its levels already in the transposed steps (quant_group's v),
 // its scales (and Q4_1's minimums) 8 fp16 in a row: loads, where the file's layout takes q4_steps' transposes
-// or transpose8 and a gather. 2026-11-28, AMD Zen 3, 2 threads: the 135M's Q4_1 layers at 1, 2 and 4 rows
-// 1.16x, 1.15x, 1.14x as fast, its Q8_0 head 1.46x, 1.28x, 1.23x (the head at one row then reads 36 GB/s).
+// or transpose8 and a gather (Q4_K: its scales as the file has them, meta's). 2026-11-28, AMD Zen 3, 2 threads:
+// the 135M's Q4_1 layers at 1, 2 and 4 rows 1.16x, 1.15x, 1.14x as fast, its Q8_0 head 1.46x, 1.28x, 1.23x (the
+// head at one row then reads 36 GB/s), the 1B's layers (Q4_K grouped) 1.17x, 1.22x, 1.11x.
 template <int64_t T>
 inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int64_t g, __m256i* v, __m256& ws, __m256& wm) {
   constexpr GroupedAt at(T);
@@ -1101,8 +1102,7 @@ inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int
   }
 }
 
-// Block j of a grouped row's whole group g as levels<T> gives it (the Q4 types; the panels' packing), and the
-// group's scales as meta gives them.
+// Block j of a grouped row's whole group g as levels<T> gives it (the Q4 types; the panels' packing).
 template <int64_t T>
 inline __attribute__((always_inline)) __m256i grouped_levels(const uint8_t* row, int64_t g, int j) {
   constexpr GroupedAt at(T);
