@@ -170,7 +170,7 @@ def test_every_short_group(type_name):
             assert torch.equal(blocks.mm(x[1:2], [part], [type_name], isa), want[1:2]), (isa, tail)
 
 
-GROUPABLE = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+GROUPABLE = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 
 
 @pytest.mark.parametrize("type_name", GROUPABLE)
@@ -188,6 +188,13 @@ def test_grouped_layout(type_name):
         back, back_type = blocks.ungroup(grouped, name)
         assert torch.equal(ggml.ungroup(grouped, name), part) and torch.equal(back, part) and back_type == type_name, k
         assert torch.equal(ggml.values(grouped, name), ggml.dequantize(part, type_name)), k
+    if type_name == "Q6_K":  # block 5's features 0-3 (half 1, nibble 0, part 1: bytes 96-99's low nibbles, qh
+        # bytes 160-163 at bit 2), and its scales and d where they were
+        original = make_part(type_name, 1, 256)[0]
+        row = ggml.group(original[None], type_name)[0]
+        assert torch.equal(row[192:], original[192:]) and torch.equal(row[20:24] & 0xF, original[96:100] & 0xF)
+        assert torch.equal(row[128 + 20 : 128 + 24] & 3, (original[160:164] >> 2) & 3)
+        return
     if type_name == "Q4_K":  # sub-block 3's features 0-3 and 16-19: the high nibbles of bytes 32-35 and 48-51
         original = make_part(type_name, 1, 256)[0]
         row = ggml.group(original[None], type_name)[0]

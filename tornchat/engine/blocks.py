@@ -28,7 +28,7 @@ except ImportError:  # gguf is optional at run time; the ids are GGML's own (ggm
 GROUPED_ID = 1000  # csrc/blocks.h: a grouped layout's id is this plus its file type's
 TYPE_IDS |= {name: GROUPED_ID + TYPE_IDS[base] for name, base in ggml.GROUPED.items()}
 TYPE_NAMES = {v: k for k, v in TYPE_IDS.items()}
-# The paths whose kernels read a Q4_0, Q4_1, Q8_0 or Q4_K row faster in the grouped layout (ggml.group), the steps
+# The paths whose kernels read a Q4_0, Q4_1, Q8_0, Q4_K or Q6_K row faster in the grouped layout (ggml.group), the steps
 # they dot already in place: the 135M's products at one row 1.16x (Q4_1 layers) and 1.46x (Q8_0 head) on AVX2
 # (2026-11-28, AMD Zen 3). The AVX-512 paths put the file's blocks in their own layouts (and run a grouped row on
 # the avx2 kernels: the same bits).

@@ -39,10 +39,10 @@ TYPES = {t.name: t for t in [
     BlockType("Q4_0", 32, 18), BlockType("Q4_1", 32, 20), BlockType("Q5_0", 32, 22), BlockType("Q5_1", 32, 24),
     BlockType("Q8_0", 32, 34), BlockType("Q4_K", 256, 144), BlockType("Q5_K", 256, 176), BlockType("Q6_K", 256, 210),
     BlockType("Q4_0_G8", 32, 18), BlockType("Q4_1_G8", 32, 20), BlockType("Q8_0_G8", 32, 34),
-    BlockType("Q4_K_G8", 256, 144),
+    BlockType("Q4_K_G8", 256, 144), BlockType("Q6_K_G8", 256, 210),
 ]}
 # Our grouped layouts (``group``) and the file's types they rearrange.
-GROUPED = {"Q4_0_G8": "Q4_0", "Q4_1_G8": "Q4_1", "Q8_0_G8": "Q8_0", "Q4_K_G8": "Q4_K"}
+GROUPED = {"Q4_0_G8": "Q4_0", "Q4_1_G8": "Q4_1", "Q8_0_G8": "Q8_0", "Q4_K_G8": "Q4_K", "Q6_K_G8": "Q6_K"}
 INT4 = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit levels with, per group of 32 values, value = level * scale + low
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -107,7 +107,9 @@ def group(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     byte holding features 4t.. and 16 + 4t..; Q8_0: 8 steps of bytes 4t..4t+3), block j's 4 bytes at 4j: the
     layout the avx2 kernels take their steps in (csrc/blocks.h). A row's short last group of nj blocks: their nj
     fp16 d, (Q4_1) their minimums, then each block's levels as the file has them. Q4_K: each super-block's 16
-    bytes of scales as they are, then its 8 sub-blocks' levels in the Q4 types' 4 steps."""
+    bytes of scales as they are, then its 8 sub-blocks' levels in the Q4 types' 4 steps. Q6_K: the low 4 bits of
+    its 8 blocks' levels in those steps, then per block j a dword of the high 2 bits of features 4t.. at 128 + 4j
+    and one of 16 + 4t.. at 160 + 4j (step t's at bit 2t of each byte), then its scales and d as they are."""
     return _regroup(raw, type_name, to_grouped=True)
 
 
@@ -119,6 +121,8 @@ def ungroup(raw: torch.Tensor, type_name: str) -> torch.Tensor:
 def _regroup(raw: torch.Tensor, type_name: str, to_grouped: bool) -> torch.Tensor:
     if type_name == "Q4_K":
         return _regroup_q4k(raw, to_grouped)
+    if type_name == "Q6_K":
+        return _regroup_q6k(raw, to_grouped)
     block = TYPES[type_name]
     head, levels = (4 if type_name == "Q4_1" else 2), block.bytes - (4 if type_name == "Q4_1" else 2)
     n, blocks = raw.shape[0], raw.shape[1] // block.bytes
@@ -155,6 +159,32 @@ def _regroup_q4k(raw: torch.Tensor, to_grouped: bool) -> torch.Tensor:
         levels = halves.permute(0, 1, 3, 4, 2, 5).reshape(n, -1, 4, 2, 32)  # [n, sb, chunk, j % 2, feature]
         packed = levels[..., 0, :] | (levels[..., 1, :] << 4)
     return torch.cat([scales, packed.reshape(n, -1, 128)], dim=-1).reshape(n, -1)
+
+
+def _regroup_q6k(raw: torch.Tensor, to_grouped: bool) -> torch.Tensor:
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, 210)
+    if to_grouped:  # levels [j][u][t][b] (block j = 4 half + 2 nibble + part, feature 16u + 4t + b)
+        ql = blocks[..., 0:128].reshape(n, -1, 2, 2, 32)  # [half, part, l]
+        qh = blocks[..., 128:192].reshape(n, -1, 2, 1, 32)
+        shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8, device=raw.device)[..., None]  # [nibble, part, 1]
+        levels = torch.stack([ql & 0xF, ql >> 4], dim=-3) | (((qh[..., None, :, :] >> shifts) & 3) << 4)
+        levels = levels.reshape(n, -1, 8, 2, 4, 4)
+        low = (levels & 0xF).permute(0, 1, 4, 2, 5, 3)  # [n, sb, t, j, b, u]
+        steps = low[..., 0] | (low[..., 1] << 4)
+        high = (levels >> 4).permute(0, 1, 3, 2, 5, 4)  # [n, sb, u, j, b, t]
+        bits = high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4) | (high[..., 3] << 6)
+        return torch.cat([steps.reshape(n, -1, 128), bits.reshape(n, -1, 64), blocks[..., 192:]], dim=-1).reshape(n, -1)
+    steps = blocks[..., 0:128].reshape(n, -1, 4, 8, 4)  # [t, j, b]
+    bits = blocks[..., 128:192].reshape(n, -1, 2, 8, 4)  # [u, j, b]
+    low = torch.stack([steps & 0xF, steps >> 4], dim=-1)  # [n, sb, t, j, b, u]
+    high = torch.stack([(bits >> 2 * t) & 3 for t in range(4)], dim=-1)  # [n, sb, u, j, b, t]
+    levels = low.permute(0, 1, 3, 5, 2, 4) | (high.permute(0, 1, 3, 2, 5, 4) << 4)  # [n, sb, j, u, t, b]
+    levels = levels.reshape(n, -1, 2, 2, 2, 32)  # [half, nibble, part, l]
+    ql = (levels[:, :, :, 0] & 0xF) | ((levels[:, :, :, 1] & 0xF) << 4)  # [half, part, l]
+    high2 = (levels >> 4).reshape(n, -1, 2, 4, 32)  # [half, k = 2 nibble + part, l]
+    qh = high2[:, :, :, 0] | (high2[:, :, :, 1] << 2) | (high2[:, :, :, 2] << 4) | (high2[:, :, :, 3] << 6)
+    return torch.cat([ql.reshape(n, -1, 128), qh.reshape(n, -1, 64), blocks[..., 192:]], dim=-1).reshape(n, -1)
 
 
 def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:

@@ -49,7 +49,7 @@
 // takes against a row's broadcast activations (vnni_columns); the avx2 path does the same from AVX2_PANEL_ROWS
 // rows with panels of 8 columns and VPMADDUBSW (avx2_columns). Weights are prefetched about PREFETCH bytes of a
 // tile's reading ahead, into the next tile past a row's end (ahead).
-// On the avx2 and avxvnni paths Q4_0, Q4_1, Q8_0 and Q4_K rows are best given grouped (blocks.h group_blocks): each
+// On the avx2 and avxvnni paths Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows are best given grouped (blocks.h group_blocks): each
 // whole group's levels stored in the transposed steps, so the tiles load them (grouped_steps); the AVX-512 paths
 // run a grouped row on the avx2 kernels, whose operations are theirs.
 // The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
@@ -122,7 +122,7 @@ inline bool type_info(int64_t type, TypeInfo& info) {
     case Q8_0: case Q8_0_G8: info = {32, 34}; return true;
     case Q4_K: case Q4_K_G8: info = {256, 144}; return true;
     case Q5_K: info = {256, 176}; return true;
-    case Q6_K: info = {256, 210}; return true;
+    case Q6_K: case Q6_K_G8: info = {256, 210}; return true;
     default: return false;
   }
 }
@@ -179,7 +179,7 @@ struct Job {
   const float* xf;  // fp32 x [rows, K] (float types)
   float* out;  // [rows, n_total]
   bool amx;  // AMX tiles for every 16 rows (the amx path: avx512vnni's, the same bits)
-  bool grouped;  // type's rows in the grouped layout (group_blocks): Q4_0, Q4_1, Q8_0, Q4_K
+  bool grouped;  // type's rows in the grouped layout (group_blocks): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
 };
 
 // Per group of 8 blocks of one weight row: the scales a (ws), the minimums m (wm), Q6_K's 16 sub-block
@@ -273,12 +273,13 @@ void generic_levels(const uint8_t* row, int64_t g, int j, int32_t* lv) {  // 32 
 
 // The grouped layout (blocks.h group_blocks): where block j of a whole group keeps its bytes. Q4_0, Q4_1, Q8_0
 // (bytes per block 18, 20, 34; the header 2 or 4 bytes, the levels the rest).
-// Q4_K: a super-block of 8 sub-blocks is the group, its 16 bytes of scales stay first.
+// Q4_K, Q6_K: a super-block of 8 blocks is the group, its scales where the file has them (Q4_K's 16 bytes first,
+// Q6_K's 18 last).
 struct GroupedAt {
   int64_t bytes, head, levels_at, group;  // a block's bytes and header; where a group's levels start; its bytes
   explicit constexpr GroupedAt(int64_t type)
       : bytes(type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0), head(type == Q4_1 ? 4 : 2),
-        levels_at(type == Q4_K ? 16 : 8 * head), group(type == Q4_K ? 144 : 8 * bytes) {}
+        levels_at(type == Q4_K ? 16 : type == Q6_K ? 0 : 8 * head), group(type == Q4_K ? 144 : type == Q6_K ? 210 : 8 * bytes) {}
 };
 
 // One row of nb blocks of 32 values between the file's layout and the grouped one, either way (to_grouped), by
@@ -292,7 +293,40 @@ inline void regroup_row(const uint8_t* from, uint8_t* to, int64_t nb, int64_t ty
     return w;
   };
   const auto put = [](uint8_t* p, uint32_t w) { std::memcpy(p, &w, 4); };
-  constexpr uint32_t low = 0x0F0F0F0F;
+  constexpr uint32_t low = 0x0F0F0F0F, two = 0x03030303;
+  if (type == Q6_K) {  // the file: ql's 64-byte half h holds blocks 4h + k (k = 2 nibble + part) in the nibble of its
+                       // 32 bytes from 32 part, qh's 32-byte half their 2 high bits at bit 2k. Grouped: the low 4 bits
+                       // in the Q4 steps (bytes 0-127), then block j's high 2 bits of features 4t.. (128 + 4j) and
+                       // 16 + 4t.. (160 + 4j), step t's at bit 2t; the scales and d as they are
+    for (int64_t g = 0; g < nb / 8; ++g) {
+      const uint8_t* src = from + 210 * g;
+      uint8_t* dst = to + 210 * g;
+      std::memcpy(dst + 192, src + 192, 18);
+      if (!to_grouped) std::memset(dst, 0, 192);  // the file's bytes are shared by 2 (ql) and 4 (qh) blocks: or'd
+      for (int j = 0; j < 8; ++j) {
+        const int k = j % 4, ql_at = 64 * (j / 4) + 32 * (k % 2), qh_at = 128 + 32 * (j / 4);
+        uint32_t high[2] = {0, 0};
+        for (int u = 0; u < 2; ++u) high[u] = to_grouped ? 0 : word(src + 128 + 32 * u + 4 * j);
+        for (int t = 0; t < 4; ++t) {
+          uint32_t steps = to_grouped ? 0 : word(src + 32 * t + 4 * j);
+          for (int u = 0; u < 2; ++u) {  // features 16u + 4t..
+            const int file_ql = ql_at + 16 * u + 4 * t, file_qh = qh_at + 16 * u + 4 * t;
+            if (to_grouped) {
+              steps |= ((word(src + file_ql) >> 4 * (k / 2)) & low) << 4 * u;
+              high[u] |= ((word(src + file_qh) >> 2 * k) & two) << 2 * t;
+            } else {
+              put(dst + file_ql, word(dst + file_ql) | (((steps >> 4 * u) & low) << 4 * (k / 2)));
+              put(dst + file_qh, word(dst + file_qh) | (((high[u] >> 2 * t) & two) << 2 * k));
+            }
+          }
+          if (to_grouped) put(dst + 32 * t + 4 * j, steps);
+        }
+        if (to_grouped)
+          for (int u = 0; u < 2; ++u) put(dst + 128 + 32 * u + 4 * j, high[u]);
+      }
+    }
+    return;
+  }
   if (type == Q4_K) {
     for (int64_t g = 0; g < nb / 8; ++g) {
       const uint8_t* src = from + 144 * g;
@@ -669,8 +703,8 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
 namespace {
 
 int64_t grouped_blocks(const at::Tensor& part, int64_t type) {
-  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K,
-              "the grouped layouts are Q4_0's, Q4_1's, Q8_0's and Q4_K's, not type ", type, "'s");
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K,
+              "the grouped layouts are Q4_0's, Q4_1's, Q8_0's, Q4_K's and Q6_K's, not type ", type, "'s");
   TypeInfo info;
   type_info(type, info);
   TORCH_CHECK(part.device().is_cpu() && part.scalar_type() == at::kByte && part.dim() == 2 && part.is_contiguous() &&
@@ -714,9 +748,9 @@ void define_blocks(pybind11::module_& m) {
         "x [rows, K] times GGUF-block weights' parts transposed: fp32 [rows, N]",
         py::arg("x"), py::arg("parts"), py::arg("types"), py::arg("isa") = "",
         py::call_guard<py::gil_scoped_release>());
-  m.def("group_blocks", &group_blocks, "a Q4_0, Q4_1, Q8_0 or Q4_K part's rows rearranged in place into the grouped layout",
+  m.def("group_blocks", &group_blocks, "a Q4_0, Q4_1, Q8_0, Q4_K or Q6_K part's rows rearranged in place into the grouped layout",
         py::arg("part"), py::arg("type"));
-  m.def("ungroup_blocks", &ungroup_blocks, "a grouped part's bytes as the file stores them (type: Q4_0, Q4_1, Q8_0, Q4_K)",
+  m.def("ungroup_blocks", &ungroup_blocks, "a grouped part's bytes as the file stores them (type: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)",
         py::arg("part"), py::arg("type"));
 }
 
@@ -1079,12 +1113,12 @@ inline __attribute__((always_inline)) void q4_steps(const uint8_t* row, int64_t 
 // the 135M's Q4_1 layers at 1, 2 and 4 rows 1.16x, 1.15x, 1.14x as fast, its Q8_0 head 1.46x, 1.28x, 1.23x (the
 // head at one row then reads 36 GB/s), the 1B's layers (Q4_K grouped) 1.17x, 1.22x, 1.11x.
 template <int64_t T>
-inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int64_t g, __m256i* v, __m256& ws, __m256& wm) {
+inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int64_t g, __m256i* v, __m256& ws, __m256& wm,
+                                                         __m256& lo, __m256& hi) {
   constexpr GroupedAt at(T);
   const uint8_t* p = row + g * at.group;
-  if constexpr (T == Q4_K) {  // its scales as the file has them
-    __m256 unused[2];
-    meta<T>(row, g, 8, ws, wm, unused[0], unused[1]);
+  if constexpr (k_quant(T)) {  // their scales as the file has them
+    meta<T>(row, g, 8, ws, wm, lo, hi);
   } else {
     ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     wm = T == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))) : _mm256_setzero_ps();
@@ -1100,14 +1134,31 @@ inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int
       v[t + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
     }
   }
+  if constexpr (T == Q6_K) {  // step t's 2 high bits, at bit 2t of its half's byte, to bits 4-5
+    const __m256i bits45 = _mm256_set1_epi8(0x30);
+    for (int u = 0; u < 2; ++u) {
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * u));
+      const __m256i at45[4] = {_mm256_slli_epi16(high, 4), _mm256_slli_epi16(high, 2), high, _mm256_srli_epi16(high, 2)};
+      for (int t = 0; t < 4; ++t) v[4 * u + t] = _mm256_or_si256(v[4 * u + t], _mm256_and_si256(at45[t], bits45));
+    }
+  }
 }
 
 // Block j of a grouped row's whole group g as levels<T> gives it (the Q4 types; the panels' packing).
 template <int64_t T>
 inline __attribute__((always_inline)) __m256i grouped_levels(const uint8_t* row, int64_t g, int j) {
   constexpr GroupedAt at(T);
-  const int* steps = reinterpret_cast<const int*>(row + g * at.group + at.levels_at + 4 * j);
-  return nibbles32(_mm_i32gather_epi32(steps, _mm_setr_epi32(0, 32, 64, 96), 1));
+  const uint8_t* p = row + g * at.group;
+  const __m256i low = nibbles32(_mm_i32gather_epi32(reinterpret_cast<const int*>(p + at.levels_at + 4 * j),
+                                                    _mm_setr_epi32(0, 32, 64, 96), 1));
+  if constexpr (T != Q6_K) return low;
+  // Q6_K: features 4t.. (16 + 4t..) take bits 2t of the first (second) high dword's bytes
+  const auto high = [&](int u) {
+    int32_t bits;
+    std::memcpy(&bits, p + 128 + 32 * u + 4 * j, 4);
+    return _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(bits), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+  };
+  return _mm256_or_si256(low, _mm256_slli_epi16(_mm256_set_m128i(high(1), high(0)), 4));
 }
 
 // A grouped row's short last group g of nj blocks: their scales (and Q4_1's minimums) as meta gives them, and
@@ -1180,7 +1231,7 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
     __m256 ws, wm, lo, hi;
     __m256i v[8];
     if constexpr (G && !TAIL) {
-      grouped_steps<T>(w[c], g, v, ws, wm);
+      grouped_steps<T>(w[c], g, v, ws, wm, lo, hi);
     } else if constexpr (G) {  // Q8_0: v[j] block j's levels; Q4: v[2i], v[2i + 1] blocks 2i and 2i + 1's low and
                                // high nibbles (features 0-15, 16-31), one block per 128 bits
       const uint8_t* lv = grouped_tail<T>(w[c], g, nj, ws, wm);
@@ -1790,10 +1841,10 @@ void avx2_pack(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& leve
       __m256i first[8], second[8];  // per column its group's 8 scales, transposed into per block its 8 columns'
       for (int i = 0; i < 8; ++i) {
         __m256 f[4];
-        if (G && nj == 8 && T != Q4_K) {
+        if (G && nj == 8 && !k_quant(T)) {
           __m256i unused[8];
-          grouped_steps<T>(w[i], g, unused, f[0], f[1]);  // its loads of levels go unused
-        } else if (G && T != Q4_K) {
+          grouped_steps<T>(w[i], g, unused, f[0], f[1], f[2], f[3]);  // its loads of levels go unused
+        } else if (G && !k_quant(T)) {
           grouped_tail<T>(w[i], g, nj, f[0], f[1]);
         } else {
           meta<T>(w[i], g, nj, f[0], f[1], f[2], f[3]);
@@ -2080,6 +2131,7 @@ void run(const Job& jb, int64_t c0, int64_t c1) {
       case Q4_0: return run_type<Q4_0, true>(jb, c0, c1);
       case Q4_1: return run_type<Q4_1, true>(jb, c0, c1);
       case Q4_K: return run_type<Q4_K, true>(jb, c0, c1);
+      case Q6_K: return run_type<Q6_K, true>(jb, c0, c1);
       default: return run_type<Q8_0, true>(jb, c0, c1);
     }
   }

@@ -19,7 +19,7 @@ namespace tornchat {
 enum GgmlType : int64_t {
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
   GROUPED = 1000, Q4_0_G8 = GROUPED + Q4_0, Q4_1_G8 = GROUPED + Q4_1, Q8_0_G8 = GROUPED + Q8_0,
-  Q4_K_G8 = GROUPED + Q4_K,
+  Q4_K_G8 = GROUPED + Q4_K, Q6_K_G8 = GROUPED + Q6_K,
 };
 
 // The instruction-set paths this CPU runs, best first ("amx", "avx512vnni", "avxvnni", "avx2", "generic"):
@@ -36,14 +36,16 @@ std::string block_isa();
 at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
                     const std::string& isa, at::Tensor out = at::Tensor());
 
-// The grouped layout of Q4_0, Q4_1, Q8_0 and Q4_K rows (type ids Q4_0_G8, Q4_1_G8, Q8_0_G8, Q4_K_G8): the same bytes per row
+// The grouped layout of Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows (type ids Q4_0_G8 .. Q6_K_G8): the same bytes per row
 // and the same values, each whole group of 8 blocks rearranged as [the 8 blocks' fp16 d][Q4_1: their fp16
 // minimums][the levels, per step t of 4 features (Q4: 4 steps of nibble bytes 4t..4t+3, each byte holding
 // features 4t.. and 16 + 4t..; Q8_0: 8 steps of bytes 4t..4t+3), block j's 4 bytes at 4j]; a row's short last
 // group of nj blocks as [their nj fp16 d][Q4_1: their minimums][each block's levels as the file has them]. It is
 // the layout the avx2 kernels take their steps in (Acts::qt's), so that a group costs them loads where the file's
-// needs transposes, and a short group's scales one load. Q4_K (Q4_K_G8): each super-block's 16 bytes of scales as
-// they are, then its 8 sub-blocks' levels in the Q4 types' steps. group_blocks rearranges part (uint8 [N, row_bytes]
+// needs transposes, and a short group's scales one load. Q4_K: each super-block's 16 bytes of scales as they are,
+// then its 8 sub-blocks' levels in the Q4 types' steps. Q6_K: the low 4 bits of its 8 blocks' levels in the Q4
+// steps, then per block 2 dwords of high bits (features 4t.. and 16 + 4t.., step t's 2 bits at bit 2t of each
+// byte), its scales and d as they are. group_blocks rearranges part (uint8 [N, row_bytes]
 // of the type given) in place; ungroup_blocks returns a grouped part's bytes as the file stores them.
 void group_blocks(at::Tensor part, int64_t type);
 at::Tensor ungroup_blocks(const at::Tensor& part, int64_t type);
