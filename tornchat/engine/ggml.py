@@ -101,8 +101,8 @@ def int4_levels(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.
 
 
 def group(raw: torch.Tensor, type_name: str) -> torch.Tensor:
-    """Q4_0, Q4_1 or Q8_0 rows [N, row_bytes] in our grouped layout (type ``type_name + "_G8"``): the same bytes
-    per row and the same values, each whole group of 8 blocks rearranged as the 8 blocks' fp16 d, then (Q4_1)
+    """Q4_0, Q4_1, Q8_0, Q4_K or Q6_K rows [N, row_bytes] in our grouped layout (type ``type_name + "_G8"``): the
+    same bytes per row and the same values, each whole group of 8 blocks rearranged as the 8 blocks' fp16 d, then (Q4_1)
     their fp16 minimums, then the levels by step of 4 features (Q4: 4 steps of the nibble bytes 4t..4t+3, each
     byte holding features 4t.. and 16 + 4t..; Q8_0: 8 steps of bytes 4t..4t+3), block j's 4 bytes at 4j: the
     layout the avx2 kernels take their steps in (csrc/blocks.h). A row's short last group of nj blocks: their nj
