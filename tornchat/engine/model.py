@@ -33,7 +33,7 @@ class Runner(Protocol):
         ``forward([token_ids[i]], cache, decode=True)`` would give after the rows before it.
 
         A speculative decoder checks n drafted tokens with one call; whether that costs less than n steps
-        depends on the runner and the machine (``speculate.measure_costs``).
+        depends on the runner and the machine (``speculate.measure``).
         """
 
     def forward_many(self, batch: list[tuple[list[int], Any, bool]]) -> list[torch.Tensor]:
