@@ -184,9 +184,8 @@ class GGUFFile:
         (``blocks.group``: rearranged in the map itself, once, copy-on-write, so the file is untouched and
         memory holds one copy); without, as they are (a type ``ggml.values`` decodes either way)."""
         raw, t = self.mapped(name), self.tensors[name]
-        if grouped and name not in self.grouped:
-            if blocks.grouped_type(t.type_name) != t.type_name:
-                self._populate(t.offset, t.nbytes)
+        if grouped and name not in self.grouped and blocks.grouped_type(t.type_name) != t.type_name:
+            self._populate(t.offset, t.nbytes)
             self.grouped[name] = blocks.group(raw, t.type_name)
         return raw, self.grouped.get(name, t.type_name)
 

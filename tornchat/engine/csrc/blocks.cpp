@@ -1107,23 +1107,41 @@ inline __attribute__((always_inline)) void q4_steps(const uint8_t* row, int64_t 
   }
 }
 
-// A whole group g of a grouped row (group_blocks): its levels already in the transposed steps (quant_group's v),
-// its scales (and Q4_1's minimums) 8 fp16 in a row: loads, where the file's layout takes q4_steps' transposes
-// or transpose8 and a gather (Q4_K: its scales as the file has them, meta's). 2026-11-28, AMD Zen 3, 2 threads:
-// the 135M's Q4_1 layers at 1, 2 and 4 rows 1.16x, 1.15x, 1.14x as fast, its Q8_0 head 1.46x, 1.28x, 1.23x (the
-// head at one row then reads 36 GB/s), the 1B's layers (Q4_K grouped) 1.17x, 1.22x, 1.11x.
+// Group g of a grouped row (group_blocks; nj blocks, a short last group fewer than 8): its scales (and Q4_1's
+// minimums) as meta gives them, 8 (nj) fp16 in a row, one load each (the K-quants': meta's, from where the file
+// has them); returns where its levels start. A short group's 16 bytes from either field lie within it, its levels
+// following them (at least 16 bytes a block).
+template <int64_t T>
+inline __attribute__((always_inline)) const uint8_t* grouped_scales(const uint8_t* row, int64_t g, int nj, __m256& ws,
+                                                                    __m256& wm, __m256& lo, __m256& hi) {
+  constexpr GroupedAt at(T);
+  if constexpr (k_quant(T)) {
+    meta<T>(row, g, 8, ws, wm, lo, hi);
+    return row + g * at.group + at.levels_at;
+  } else {
+    const uint8_t* p = row + g * 8 * at.bytes;
+    const __m128i keep = nj == 8 ? _mm_set1_epi8(-1)
+                                 : _mm_cmpgt_epi8(_mm_set1_epi8(static_cast<char>(2 * nj)),
+                                                  _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const auto halves8 = [&](const uint8_t* q) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      return _mm256_cvtph_ps(nj == 8 ? h : _mm_and_si128(h, keep));
+    };
+    ws = halves8(p);
+    wm = T == Q4_1 ? halves8(p + 2 * nj) : _mm256_setzero_ps();
+    return nj == 8 ? p + at.levels_at : p + nj * at.head;
+  }
+}
+
+// A whole group g of a grouped row: its scales (grouped_scales) and its levels already in the transposed steps
+// (quant_group's v): loads, where the file's layout takes q4_steps' transposes or transpose8 and a gather.
+// 2026-11-28, AMD Zen 3, 2 threads: the 135M's Q4_1 layers at 1, 2 and 4 rows 1.16x, 1.15x, 1.14x as fast, its
+// Q8_0 head 1.46x, 1.28x, 1.23x (the head at one row then reads 36 GB/s), the 1B's layers (Q4_K grouped) 1.17x,
+// 1.22x, 1.11x.
 template <int64_t T>
 inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int64_t g, __m256i* v, __m256& ws, __m256& wm,
                                                          __m256& lo, __m256& hi) {
-  constexpr GroupedAt at(T);
-  const uint8_t* p = row + g * at.group;
-  if constexpr (k_quant(T)) {  // their scales as the file has them
-    meta<T>(row, g, 8, ws, wm, lo, hi);
-  } else {
-    ws = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    wm = T == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))) : _mm256_setzero_ps();
-  }
-  const uint8_t* steps = p + at.levels_at;
+  const uint8_t* steps = grouped_scales<T>(row, g, 8, ws, wm, lo, hi);
   if constexpr (T == Q8_0) {
     for (int t = 0; t < 8; ++t) v[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + 32 * t));
   } else {
@@ -1137,7 +1155,7 @@ inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int
   if constexpr (T == Q6_K) {  // step t's 2 high bits, at bit 2t of its half's byte, to bits 4-5
     const __m256i bits45 = _mm256_set1_epi8(0x30);
     for (int u = 0; u < 2; ++u) {
-      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * u));
+      const __m256i high = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + 128 + 32 * u));
       const __m256i at45[4] = {_mm256_slli_epi16(high, 4), _mm256_slli_epi16(high, 2), high, _mm256_srli_epi16(high, 2)};
       for (int t = 0; t < 4; ++t) v[4 * u + t] = _mm256_or_si256(v[4 * u + t], _mm256_and_si256(at45[t], bits45));
     }
@@ -1159,24 +1177,6 @@ inline __attribute__((always_inline)) __m256i grouped_levels(const uint8_t* row,
     return _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(bits), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
   };
   return _mm256_or_si256(low, _mm256_slli_epi16(_mm256_set_m128i(high(1), high(0)), 4));
-}
-
-// A grouped row's short last group g of nj blocks: their scales (and Q4_1's minimums) as meta gives them, and
-// where their levels start, block after block as in the file. 16 bytes from either field lie within the group,
-// whose levels follow them (at least 16 bytes a block).
-template <int64_t T>
-inline __attribute__((always_inline)) const uint8_t* grouped_tail(const uint8_t* row, int64_t g, int nj, __m256& ws,
-                                                                  __m256& wm) {
-  constexpr GroupedAt at(T);
-  const uint8_t* p = row + g * 8 * at.bytes;
-  const __m128i keep = _mm_cmpgt_epi8(_mm_set1_epi8(static_cast<char>(2 * nj)),
-                                      _mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  const auto halves8 = [&](const uint8_t* q) {
-    return _mm256_cvtph_ps(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), keep));
-  };
-  ws = halves8(p);
-  wm = T == Q4_1 ? halves8(p + 2 * nj) : _mm256_setzero_ps();
-  return p + nj * at.head;
 }
 
 struct RowPtrs {  // one row of the quantized activations
@@ -1234,15 +1234,15 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
       grouped_steps<T>(w[c], g, v, ws, wm, lo, hi);
     } else if constexpr (G) {  // Q8_0: v[j] block j's levels; Q4: v[2i], v[2i + 1] blocks 2i and 2i + 1's low and
                                // high nibbles (features 0-15, 16-31), one block per 128 bits
-      const uint8_t* lv = grouped_tail<T>(w[c], g, nj, ws, wm);
+      const uint8_t* lv = grouped_scales<T>(w[c], g, nj, ws, wm, lo, hi);
       if constexpr (T == Q8_0) {
         for (int j = 0; j < nj; ++j) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * j));
       } else {
         const __m256i low4 = _mm256_set1_epi8(0x0F);
-        for (int i = 0; 2 * i < nj; ++i) {
-          const __m128i first = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lv + 32 * i));
-          const __m256i bytes = 2 * i + 1 < nj ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * i))
-                                               : _mm256_zextsi128_si256(first);
+        for (int i = 0; 2 * i < nj; ++i) {  // a lone last block: its 16 bytes alone, none past the row
+          const __m256i bytes = 2 * i + 1 < nj
+                                    ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * i))
+                                    : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lv + 32 * i)));
           v[2 * i] = _mm256_and_si256(bytes, low4);
           v[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
         }
@@ -1839,16 +1839,11 @@ void avx2_pack(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& leve
     for (int64_t g = 0; g < groups; ++g) {
       const int nj = static_cast<int>(std::min<int64_t>(8, nb - g * 8));
       __m256i first[8], second[8];  // per column its group's 8 scales, transposed into per block its 8 columns'
+      const uint8_t* grouped_levels_at[8];  // grouped: where each column's group keeps its levels
       for (int i = 0; i < 8; ++i) {
         __m256 f[4];
-        if (G && nj == 8 && !k_quant(T)) {
-          __m256i unused[8];
-          grouped_steps<T>(w[i], g, unused, f[0], f[1], f[2], f[3]);  // its loads of levels go unused
-        } else if (G && !k_quant(T)) {
-          grouped_tail<T>(w[i], g, nj, f[0], f[1]);
-        } else {
-          meta<T>(w[i], g, nj, f[0], f[1], f[2], f[3]);
-        }
+        if constexpr (G) grouped_levels_at[i] = grouped_scales<T>(w[i], g, nj, f[0], f[1], f[2], f[3]);
+        else meta<T>(w[i], g, nj, f[0], f[1], f[2], f[3]);
         constexpr int at = T == Q6_K ? 2 : 0;
         first[i] = _mm256_castps_si256(f[at]), second[i] = _mm256_castps_si256(f[at + 1]);
       }
@@ -1859,11 +1854,9 @@ void avx2_pack(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& leve
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + b * 16), first[j]);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc + b * 16 + 8), second[j]);
         __m256i v[8];
-        for (int i = 0; i < 8; ++i) {
-          constexpr GroupedAt at(T);  // a grouped short group's levels: block after block, past its scales
+        for (int i = 0; i < 8; ++i)  // a grouped short group's levels: block after block
           v[i] = !G ? levels<T>(w[i], g, j) : nj == 8 ? grouped_levels<T>(w[i], g, j)
-                                                   : nibbles32(w[i] + g * 8 * at.bytes + nj * at.head + 16 * j);
-        }
+                                                   : nibbles32(grouped_levels_at[i] + 16 * j);
         transpose8(v);
         for (int t = 0; t < 8; ++t) _mm256_storeu_si256(reinterpret_cast<__m256i*>(lv + b * 256 + 32 * t), v[t]);
       }
