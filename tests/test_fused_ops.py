@@ -17,16 +17,19 @@ def test_the_extension_is_built():
     assert fused.ops_for(torch.device("meta"), torch.float32) is fused.REFERENCE
 
 
+@pytest.mark.parametrize("hidden", [576, 100])  # the squares' 8 lanes whole, and with 4 values over
 @pytest.mark.parametrize("bf16_out", [False, True])
-def test_rms_norm(bf16_out):
-    x, weight = torch.randn(3, 576) * 4, torch.rand(576) + 0.5
+def test_rms_norm(bf16_out, hidden):
+    x, weight = torch.randn(3, hidden) * 4, torch.rand(hidden) + 0.5
     got, expected = fused.NATIVE.rms_norm(x, weight, 1e-5, bf16_out), fused.rms_norm_ref(x, weight, 1e-5, bf16_out)
     assert got.dtype == expected.dtype == (torch.bfloat16 if bf16_out else torch.float32)
     # fp32 sums in another order; bf16 rounds once, so at most one unit in the last place apart.
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-5, rtol=1e-5 if not bf16_out else 2**-7)
     # Semantics, independent of both: unit root-mean-square before the weight.
-    plain = fused.rms_norm_ref(x, torch.ones(576), 1e-5, False)
+    plain = fused.rms_norm_ref(x, torch.ones(hidden), 1e-5, False)
     torch.testing.assert_close(plain.pow(2).mean(-1), torch.ones(3), atol=1e-4, rtol=0)
+    # Each row by itself: a row alone gets the bits it gets among others.
+    assert torch.equal(fused.NATIVE.rms_norm(x[1:2], weight, 1e-5, bf16_out), got[1:2])
 
 
 @pytest.mark.parametrize("normed", [False, True])
@@ -190,6 +193,21 @@ def test_bad_inputs_raise_instead_of_crashing():
         fused.NATIVE.rms_norm(torch.randn(3, 576).double(), torch.ones(576), 1e-5, False)
     with pytest.raises(RuntimeError, match="qkv width"):
         fused.NATIVE.rope_store(torch.randn(1, 100), torch.randn(1, 32, 2), torch.zeros(1, 3, 64), torch.zeros(1, 3, 64), 9, 3)
+
+
+def test_the_cpp_forward_keeps_its_input_and_checks_the_caches(tiny_model):
+    """The forward updates the residual stream in place, in its own copy: the embeddings it is given stay as they
+    were. It reads and writes the caches through pointers, so a cache of another shape or dtype is refused."""
+    runner = lean(tiny_model, "int8")
+    cache = runner.new_cache()
+    runner.reserve(cache, 5)
+    x = runner._embed(torch.tensor([3, 1, 4, 1, 5]))
+    given = x.clone()
+    out = runner.step.forward(x, [cache.kv], runner.rope.rows(0, 5), [0], [5], None, [], [])
+    assert torch.equal(x, given) and out.shape == x.shape and not torch.equal(out, x)
+    for bad in (cache.kv.double(), cache.kv[:, :, :, :1].contiguous(), cache.kv.transpose(3, 4)):
+        with pytest.raises(RuntimeError, match="cache"):
+            runner.step.forward(x, [bad], runner.rope.rows(0, 5), [0], [5], None, [], [])
 
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)

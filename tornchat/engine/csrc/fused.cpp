@@ -30,15 +30,29 @@ namespace {
 // thread): each row is computed by itself, the same way whatever the split.
 constexpr int64_t ROW_GRAIN = 16;
 
+// x[0]^2 + .. + x[n - 1]^2 in 8 lanes, value i into lane i % 8 in order, the lanes summed as the block kernels sum
+// theirs: a fixed order the compiler can vectorize (one running sum was a chain of n dependent additions: 2.5 us
+// of a 135M layer's norm, 2026-11-28).
+inline float sum_of_squares(const float* x, int64_t n) {
+  float lanes[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) lanes[j] += x[i + j] * x[i + j];
+  for (; i < n; ++i) lanes[i % 8] += x[i] * x[i];
+  return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+}
+
+// delta (or null): added to x in place first, the residual stream's update (x + delta, the same fp32 sums as
+// PyTorch's), so that the forward's add and the next norm are one pass and x stays one buffer.
 template <typename Out>
-void rms_norm_rows(const float* x, const float* w, Out* out, int64_t rows, int64_t hidden, float eps) {
+void rms_norm_rows(float* x, const float* delta, const float* w, Out* out, int64_t rows, int64_t hidden, float eps) {
   at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
-      const float* xr = x + r * hidden;
+      float* xr = x + r * hidden;
       Out* yr = out + r * hidden;
-      float squares = 0.f;
-      for (int64_t i = 0; i < hidden; ++i) squares += xr[i] * xr[i];
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(hidden) + eps);
+      if (delta)
+        for (int64_t i = 0; i < hidden; ++i) xr[i] += delta[r * hidden + i];
+      const float inv = 1.f / std::sqrt(sum_of_squares(xr, hidden) / static_cast<float>(hidden) + eps);
       for (int64_t i = 0; i < hidden; ++i) yr[i] = static_cast<Out>(xr[i] * inv * w[i]);
     }
   });
@@ -52,10 +66,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   const int64_t hidden = x.size(-1), rows = x.numel() / hidden;
   TORCH_CHECK(weight.numel() == hidden, "weight must have x's last size");
   auto out = at::empty(x.sizes(), x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  float* xp = const_cast<float*>(x.data_ptr<float>());  // read only: no delta
   if (bf16_out)
-    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<BFloat16>(), rows, hidden, float(eps));
+    rms_norm_rows(xp, nullptr, weight.data_ptr<float>(), out.data_ptr<BFloat16>(), rows, hidden, float(eps));
   else
-    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), rows, hidden, float(eps));
+    rms_norm_rows(xp, nullptr, weight.data_ptr<float>(), out.data_ptr<float>(), rows, hidden, float(eps));
+  return out;
+}
+
+// x += delta in place (both fp32 [rows, hidden]), then rms_norm(x, weight) in fp32: what x = x + delta followed by
+// rms_norm gives, without a new x and a second pass.
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  check_cpu_contiguous(delta, "delta");
+  TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == at::kFloat, "delta must be fp32 of x's shape");
+  auto out = at::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), delta.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
+                x.size(0), x.size(-1), float(eps));
   return out;
 }
 
@@ -104,9 +130,7 @@ void rope_store_rows(const In* qkv, const float* freqs, const float* qk_norm, fl
         for (int64_t i = 0; i < head_dim; ++i) x[i] = to_float(src[i]);
         if (qk_norm) {
           const float* w = qk_norm + (h < heads ? 0 : head_dim);
-          float squares = 0.f;
-          for (int64_t i = 0; i < head_dim; ++i) squares += x[i] * x[i];
-          const float inv = 1.f / std::sqrt(squares / static_cast<float>(head_dim) + eps);
+          const float inv = 1.f / std::sqrt(sum_of_squares(x.data(), head_dim) / static_cast<float>(head_dim) + eps);
           for (int64_t i = 0; i < head_dim; ++i) x[i] = x[i] * inv * w[i];
         }
         for (int64_t j = 0; j < half; ++j) {
@@ -130,31 +154,35 @@ void rope_store_rows(const In* qkv, const float* freqs, const float* qk_norm, fl
   });
 }
 
+// qk_norm's weights (rope_store_rows), or null where it is empty.
+const float* qk_norm_weights(const at::Tensor& qk_norm, int64_t head_dim) {
+  if (!qk_norm.numel()) return nullptr;
+  check_cpu_contiguous(qk_norm, "qk_norm");
+  TORCH_CHECK(qk_norm.scalar_type() == at::kFloat && qk_norm.numel() == 2 * head_dim, "qk_norm must be fp32 [2, head_dim]");
+  return qk_norm.data_ptr<float>();
+}
+
+// Rows row0 .. row0 + rows - 1 of qkv (fp32 or bf16) and freqs, at positions start ..: their rotated queries into
+// the same rows of queries [.., heads, head_dim] (the cache's dtype), their keys and values into one layer's cache
+// at keys and values (of queries' dtype; rope_store_rows). Pointers, not views: a step made five views a layer
+// and sequence, which cost more than the step's rotation itself.
 template <bool FORWARD>
-at::Tensor rope_store_at(const at::Tensor& qkv, const at::Tensor& freqs, const at::Tensor& qk_norm, double eps,
-                         const at::Tensor& keys, const at::Tensor& values, int64_t start, int64_t rows, int64_t heads,
-                         int64_t kv_heads) {
-  const int64_t head_dim = keys.size(-1);
-  auto queries = at::empty({rows, heads, head_dim}, keys.options());
-  const bool in_bf16 = qkv.scalar_type() == at::kBFloat16, kv_bf16 = keys.scalar_type() == at::kBFloat16;
+void rope_store_into(const at::Tensor& qkv, const at::Tensor& freqs, const float* norm, double eps, at::Tensor& queries,
+                     void* keys, void* values, int64_t row0, int64_t rows, int64_t start, int64_t heads, int64_t kv_heads) {
+  const int64_t head_dim = queries.size(-1), width = (heads + 2 * kv_heads) * head_dim;
+  const bool in_bf16 = qkv.scalar_type() == at::kBFloat16, kv_bf16 = queries.scalar_type() == at::kBFloat16;
   TORCH_CHECK(in_bf16 || qkv.scalar_type() == at::kFloat, "qkv must be fp32 or bf16");
-  TORCH_CHECK(kv_bf16 || keys.scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
-  const float* norm = nullptr;
-  if (qk_norm.numel()) {
-    check_cpu_contiguous(qk_norm, "qk_norm");
-    TORCH_CHECK(qk_norm.scalar_type() == at::kFloat && qk_norm.numel() == 2 * head_dim, "qk_norm must be fp32 [2, head_dim]");
-    norm = qk_norm.data_ptr<float>();
-  }
-  const float* f = freqs.data_ptr<float>();
-#define ROPE(IN, KV)                                                                                                \
-  rope_store_rows<FORWARD>(qkv.data_ptr<IN>(), f, norm, float(eps), queries.data_ptr<KV>(), keys.data_ptr<KV>(),     \
-                           values.data_ptr<KV>(), rows, start, heads, kv_heads, head_dim)
+  TORCH_CHECK(kv_bf16 || queries.scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
+  const float* f = freqs.data_ptr<float>() + row0 * head_dim;
+#define ROPE(IN, KV)                                                                                              \
+  rope_store_rows<FORWARD>(qkv.data_ptr<IN>() + row0 * width, f, norm, float(eps),                                \
+                           queries.data_ptr<KV>() + row0 * heads * head_dim, static_cast<KV*>(keys),               \
+                           static_cast<KV*>(values), rows, start, heads, kv_heads, head_dim)
   if (in_bf16 && kv_bf16) ROPE(BFloat16, BFloat16);
   else if (in_bf16) ROPE(BFloat16, float);
   else if (kv_bf16) ROPE(float, BFloat16);
   else ROPE(float, float);
 #undef ROPE
-  return queries;
 }
 
 // qkv [rows, (heads + 2 kv_heads) * head_dim] (fp32 or bf16), freqs [rows, head_dim / 2, 2] fp32,
@@ -172,7 +200,10 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor
   TORCH_CHECK(freqs.scalar_type() == at::kFloat && freqs.numel() == rows * head_dim, "freqs must be fp32 [rows, head_dim / 2, 2]");
   TORCH_CHECK(keys.numel() == rows * kv_heads * head_dim && values.sizes() == keys.sizes(), "keys and values must be [rows, kv_heads, head_dim]");
   TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values must share a dtype");
-  return rope_store_at<false>(qkv, freqs, qk_norm.value_or(at::Tensor()), eps, keys, values, 0, rows, heads, kv_heads);
+  auto queries = at::empty({rows, heads, head_dim}, keys.options());
+  rope_store_into<false>(qkv, freqs, qk_norm_weights(qk_norm.value_or(at::Tensor()), head_dim), eps, queries,
+                         keys.data_ptr(), values.data_ptr(), 0, rows, 0, heads, kv_heads);
+  return queries;
 }
 
 // act(gate) * up over 16 lanes, act(g) = g * sigmoid(s): SiLU's s = g, or GELU's tanh approximation (Gemma 3),
@@ -581,26 +612,36 @@ void stage_on(AttendPath path, Stage stage, const Query* queries, int64_t count,
 // three passes' forks and joins cost more than they save below 512: 2026-11-27, AMD Zen 5, a step of the 135M's
 // 9 heads over 3 KV heads 1.2x faster at 2,000 positions, of Gemma 3 1B's 4 over 1 1.3x at 4,000).
 constexpr int64_t SPLIT_BLOCKS = 8, SPLIT_FROM = 1024;
+// Up to this many (tile, position, dimension) triples attention runs on the calling thread: a short cache's step
+// took longer with a fork and join than alone (the 135M's 3 tiles of 64 dimensions: the same at 40 positions,
+// 0.89x at 100, 1.4x faster split at 200; 2026-11-28, AMD Zen 3). Every tile is computed alike either way.
+constexpr int64_t SERIAL_WORK = 3 * 128 * 64;
+
+// One sequence's keys and values of one layer: [capacity, kv_heads, head_dim] each, in the forward's layout (key_at,
+// value_at), fp32 or bf16 as attend_many is told.
+struct LayerCache {
+  const void* keys;
+  const void* values;
+  int64_t capacity;
+};
 
 // Rows of several sequences in one call (a batch of generations): sequence s has counts[s] consecutive rows of q
-// at positions starts[s] .. over its own cache, keys[s] and values[s] (one layer's, in the forward's layout:
-// key_at, value_at, [capacity, kv_heads, head_dim], fp32 or bf16 alike). q [rows, heads, head_dim] (fp32 or bf16).
+// at positions starts[s] .. over its own cache, caches[s] of kv_heads heads (bf16, else fp32). q [rows, heads,
+// head_dim] (fp32 or bf16).
 // Returns fp32 [rows, heads * head_dim]: each row attended over its sequence's positions up to its own,
 // softmax(scale * q . k) v, as fused.attend_ref computes it, the same bits whatever else is in the call. window: 0,
 // or how many positions, its own included, a row sees (the last ones: a sliding-window layer). path: attend_path's.
-at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
+at::Tensor attend_many(const at::Tensor& q, const std::vector<LayerCache>& caches, int64_t kv_heads, bool bf16,
                        const std::vector<int64_t>& starts, const std::vector<int64_t>& counts, double scale,
                        int64_t window, AttendPath path) {
   RECORD_FUNCTION("tornchat::attend", std::vector<c10::IValue>());  // for torch.profiler (bench/decode_speed.py)
-  const size_t seqs = keys.size();
-  TORCH_CHECK(values.size() == seqs && starts.size() == seqs && counts.size() == seqs, "one cache, start and count per sequence");
+  const size_t seqs = caches.size();
+  TORCH_CHECK(starts.size() == seqs && counts.size() == seqs, "one cache, start and count per sequence");
   const auto queries = q.to(at::kFloat).contiguous();
   const int64_t rows = queries.size(0), heads = queries.size(1), d = queries.size(2);
   TORCH_CHECK(seqs > 0, "no sequence");
-  const int64_t kv_heads = keys[0].size(1), groups = heads / kv_heads;
+  const int64_t groups = heads / kv_heads;
   const int64_t tile_size = path == AttendPath::avx512 ? TILE : path == AttendPath::avx2 ? AVX2_TILE : BASELINE_TILE;
-  const bool bf16 = keys[0].scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || keys[0].scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(d % LANES == 0 && d <= 16 * LANES, "head_dim must be a multiple of 16, at most 256");
   // Each sequence's KV heads' queries, (row, grouped head) in order, in tiles of tile_size: a step's grouped
@@ -608,13 +649,8 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
   std::vector<int64_t> first_row(seqs), tiles(seqs), first_tile(seqs + 1, 0);
   int64_t longest = 0;
   for (size_t s = 0; s < seqs; ++s) {
-    check_cpu_contiguous(keys[s], "keys");
-    check_cpu_contiguous(values[s], "values");
-    TORCH_CHECK(keys[s].scalar_type() == keys[0].scalar_type() && values[s].scalar_type() == keys[0].scalar_type() &&
-                keys[s].sizes() == values[s].sizes(), "every cache's keys and values must share a dtype and shape");
-    TORCH_CHECK(keys[s].size(1) == kv_heads && keys[s].size(2) == d && starts[s] + counts[s] <= keys[s].size(0),
-                "q does not fit the cache");
-    TORCH_CHECK(keys[s].size(0) % KEY_BLOCK == 0, "the cache's capacity must be a multiple of 16 positions");
+    TORCH_CHECK(starts[s] + counts[s] <= caches[s].capacity, "q does not fit the cache");
+    TORCH_CHECK(caches[s].capacity % KEY_BLOCK == 0, "the cache's capacity must be a multiple of 16 positions");
     first_row[s] = s ? first_row[s - 1] + counts[s - 1] : 0;
     tiles[s] = (counts[s] * groups + tile_size - 1) / tile_size;
     first_tile[s + 1] = first_tile[s] + kv_heads * tiles[s];
@@ -642,13 +678,13 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
   // f(sequence s's keys of KV head h, its values), typed as the caches are.
   const auto with_cache = [&](int64_t s, int64_t h, const auto& f) {
     if (bf16)
-      f(keys[s].data_ptr<BFloat16>() + h * d * KEY_BLOCK, values[s].data_ptr<BFloat16>());
+      f(static_cast<const BFloat16*>(caches[s].keys) + h * d * KEY_BLOCK, static_cast<const BFloat16*>(caches[s].values));
     else
-      f(keys[s].data_ptr<float>() + h * d * KEY_BLOCK, values[s].data_ptr<float>());
+      f(static_cast<const float*>(caches[s].keys) + h * d * KEY_BLOCK, static_cast<const float*>(caches[s].values));
   };
   const int threads = at::get_num_threads();
   if (threads == 1 || tile_count % threads == 0 || tile_count >= 4 * threads || longest < SPLIT_FROM) {
-    at::parallel_for(0, tile_count, 1, [&](int64_t first, int64_t last) {
+    const auto tiles_from = [&](int64_t first, int64_t last) {
       const std::unique_ptr<float[]> scores(new float[tile_size * width]);  // softmax_row reads what is written
       for (int64_t t = first; t < last; ++t) {
         Query tile[TILE];
@@ -659,7 +695,9 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
                    scores.get(), nullptr, 0, 0);
         });
       }
-    });
+    };
+    if (tile_count * width * d <= SERIAL_WORK) tiles_from(0, tile_count);
+    else at::parallel_for(0, tile_count, 1, tiles_from);
     return out;
   }
   // Few tiles, not a multiple of the threads (a step of one sequence: a tile per KV head, 3 of them on 2 threads
@@ -704,7 +742,15 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<at::Tensor>& keys,
 // attend_path(isa) chooses.
 at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values, int64_t start, double scale,
                   int64_t window, const std::string& isa) {
-  return attend_many(q, {keys}, {values}, {start}, {q.size(0)}, scale, window, attend_path(isa));
+  check_cpu_contiguous(keys, "keys");
+  check_cpu_contiguous(values, "values");
+  const bool bf16 = keys.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || keys.scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
+  TORCH_CHECK(values.scalar_type() == keys.scalar_type() && values.sizes() == keys.sizes() && keys.dim() == 3,
+              "keys and values must share a dtype and a shape [capacity, kv_heads, head_dim]");
+  TORCH_CHECK(q.dim() == 3 && keys.size(2) == q.size(2), "q must be [n, heads, head_dim] of the cache's head_dim");
+  return attend_many(q, {LayerCache{keys.data_ptr(), values.data_ptr(), keys.size(0)}}, keys.size(1), bf16, {start},
+                     {q.size(0)}, scale, window, attend_path(isa));
 }
 
 // A projection: its weights' parts in their GGML types (blocks.h), each row computed as if alone.
@@ -901,38 +947,64 @@ class Forward {
       total += counts[s];
     }
     TORCH_CHECK(x.size(0) == total && freqs.size(0) == total, "x and freqs must have the sequences' rows");
+    // The caches are read and written through pointers (rope_store_into, LayerCache): their layout checked here.
+    const int64_t head_dim = kvs[0].size(-1);
+    const bool bf16 = kvs[0].scalar_type() == at::kBFloat16;
+    TORCH_CHECK(bf16 || kvs[0].scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
+    for (const auto* group : {&kvs, &window_kvs})
+      for (const at::Tensor& kv : *group) {
+        check_cpu_contiguous(kv, "a cache");
+        TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.size(3) == kv_heads_ && kv.size(4) == head_dim &&
+                        kv.scalar_type() == kvs[0].scalar_type() && kv.size(2) % KEY_BLOCK == 0,
+                    "every cache must be [layers, 2, capacity (a multiple of 16), kv_heads, head_dim] of one dtype");
+      }
+    for (const at::Tensor* table : {&freqs, local_freqs ? &*local_freqs : &freqs}) {
+      check_cpu_contiguous(*table, "freqs");
+      TORCH_CHECK(table->scalar_type() == at::kFloat && table->numel() == total * head_dim, "freqs must be fp32 [rows, head_dim / 2, 2]");
+    }
     TORCH_CHECK(!local_freqs || local_freqs->sizes() == freqs.sizes(), "local_freqs must be freqs' shape");
     // The gate-and-up products of every dense layer in one buffer: a prefill chunk's is the forward's largest
     // activation (32 MiB at 1B), at or past malloc's largest threshold for mapping memory anew, so that each
     // layer's own tensor was mapped, faulted in page by page and unmapped: 5-10% of a 1B prefill.
     at::Tensor gate_up;
+    // The residual stream is updated in place (add_rms_norm), in a copy: the caller's x stays as it was. normed:
+    // the next layer's attention norm of it.
+    x = x.contiguous().to(at::kFloat, false, true);
+    at::Tensor normed = layers_.empty() ? x : rms_norm(x, layers_[0].attn_norm, eps_, false);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const at::Tensor& table = layer.window && local_freqs ? *local_freqs : freqs;
-      auto qkv = layer.wqkv(rms_norm(x, layer.attn_norm, eps_, false));
+      auto qkv = layer.wqkv(normed);
       if (layer.bqkv.numel()) qkv = qkv + layer.bqkv;
       qkv = qkv.contiguous();
-      std::vector<at::Tensor> keys(seqs), values(seqs), queries(seqs);
+      auto q = at::empty({total, heads_, head_dim}, kvs[0].options());
+      std::vector<LayerCache> caches(seqs);
       std::vector<int64_t> begins(starts);  // each sequence's first row's index in the cache it reads
       for (size_t s = 0, row = 0; s < seqs; row += counts[s], ++s) {
         const bool own = apart && layer.window;
-        const auto cache = own ? window_kvs[s].select(0, layer.kind_index) : kvs[s].select(0, apart ? layer.kind_index : i);
+        const at::Tensor& kv = own ? window_kvs[s] : kvs[s];  // [layers, 2, capacity, kv_heads, head_dim]
+        char* keys = static_cast<char*>(kv.data_ptr()) + (apart ? layer.kind_index : i) * kv.stride(0) * kv.element_size();
+        char* values = keys + kv.stride(1) * kv.element_size();
         if (own) begins[s] -= window_starts[s];
-        keys[s] = cache.select(0, 0), values[s] = cache.select(0, 1);
-        queries[s] = rope_store_at<true>(qkv.narrow(0, row, counts[s]), table.narrow(0, row, counts[s]), layer.qk_norm,
-                                         eps_, keys[s], values[s], begins[s], counts[s], heads_, kv_heads_);
+        caches[s] = LayerCache{keys, values, kv.size(2)};
+        rope_store_into<true>(qkv, table, qk_norm_weights(layer.qk_norm, head_dim), eps_, q, keys, values, row, counts[s],
+                              begins[s], heads_, kv_heads_);
       }
-      const auto q = seqs == 1 ? queries[0] : at::cat(queries);
-      auto out = layer.wo(attend_many(q, keys, values, begins, counts, scale_, layer.window, attend_path_));
-      x = x + (layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out);
-      const auto h = rms_norm(x, layer.ffn_norm, eps_, false);
+      auto out = layer.wo(attend_many(q, caches, kv_heads_, bf16, begins, counts, scale_, layer.window, attend_path_));
+      const auto h = add_rms_norm(x, layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out,
+                                  layer.ffn_norm, eps_);
       if (layer.moe.w13.empty()) {
         gate_up = layer.w13(h, gate_up);
         out = layer.w2(gate(gate_up, gelu_, attend_path_));
       } else {
         out = mixture(layer.moe, h, gelu_, attend_path_);
       }
-      x = x + (layer.post_ffn_norm.numel() ? rms_norm(out, layer.post_ffn_norm, eps_, false) : out);
+      if (layer.post_ffn_norm.numel()) out = rms_norm(out, layer.post_ffn_norm, eps_, false);
+      if (i + 1 < layers_.size()) {
+        normed = add_rms_norm(x, out, layers_[i + 1].attn_norm, eps_);
+      } else {
+        x.add_(out);
+      }
     }
     return x;
   }
