@@ -642,7 +642,9 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
     n_total += p.size(0);
     any_quant = any_quant || !is_float(types[i]);
   }
-  const auto xf = x.to(at::kFloat).contiguous();
+  // x as it is where it is fp32 already (a step's rows): a no-op to() still costs a dispatch, and a decode step
+  // of the 135M makes 120 of these calls
+  const auto xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
   if (out.defined()) {
     TORCH_CHECK(out.scalar_type() == at::kFloat && out.device().is_cpu() && out.is_contiguous(),
                 "block_mm: out must be a contiguous fp32 CPU tensor");
@@ -667,6 +669,8 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
     for (CHUNK = 128; CHUNK > 32 && CHUNK * k * 5 / 4 > (512 << 10);) CHUNK /= 2;
   std::vector<Job> jobs;
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (job, first column)
+  jobs.reserve(parts.size());
+  chunks.reserve((n_total + CHUNK - 1) / CHUNK + parts.size());
   int64_t offset = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
     TypeInfo info;
