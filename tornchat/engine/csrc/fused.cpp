@@ -170,6 +170,9 @@ template <bool FORWARD>
 void rope_store_into(const at::Tensor& qkv, const at::Tensor& freqs, const float* norm, double eps, at::Tensor& queries,
                      void* keys, void* values, int64_t row0, int64_t rows, int64_t start, int64_t heads, int64_t kv_heads) {
   const int64_t head_dim = queries.size(-1), width = (heads + 2 * kv_heads) * head_dim;
+  TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 2 && qkv.size(1) == width && row0 + rows <= qkv.size(0) &&
+                  queries.is_contiguous() && row0 + rows <= queries.size(0),
+              "qkv must be contiguous [rows, (heads + 2 kv_heads) * head_dim], the queries' rows among them");
   const bool in_bf16 = qkv.scalar_type() == at::kBFloat16, kv_bf16 = queries.scalar_type() == at::kBFloat16;
   TORCH_CHECK(in_bf16 || qkv.scalar_type() == at::kFloat, "qkv must be fp32 or bf16");
   TORCH_CHECK(kv_bf16 || queries.scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
