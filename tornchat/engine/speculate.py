@@ -92,8 +92,9 @@ def measure(runner, ids: list[int], repeats: int = 5, budget_s: float = 0.25) ->
     So does a first call's cold start (a CUDA graph's capture, say): the fastest of two needs no warm-up round
     of its own, and the runner has had one before (``build.warm_up``). Every later start drafts by what was
     measured (``build.speculation`` remembers it), and a median of two timings per size, one size after
-    another, put a 2-row verify at 1.12 to 1.36 steps on one machine. A round of the 1B's four sizes takes
-    about 0.19 s on two AMD Zen 3 cores, each size's timings within 7% of each other from the first."""
+    another, put a 2-row verify at 1.12 to 1.36 steps on one machine. (A round of the 1B's four sizes takes
+    about 0.19 s on two AMD Zen 3 cores; across first starts there, its costs varied as much with a warm-up
+    round as without one.)"""
     cache = runner.new_cache()
     runner.forward(ids, cache)
     start = cache.length
