@@ -125,13 +125,15 @@ def tokenizer_from_gguf(file):
     """The tokenizer of a GGUF (its header read: ``gguf_file.GGUFFile``): built from its metadata, or for a
     kind of tokenizer ``gguf_tokenizer`` does not build, through transformers' slower conversion, saved once
     beside the converted models."""
-    from transformers import AutoTokenizer
-
     from tornchat.weights import gguf_tokenizer
 
     tokenizer = gguf_tokenizer.build(file)
     if tokenizer is not None:
         return tokenizer
+    # Only here: importing AutoTokenizer makes transformers scan every model's module for its names (0.6 s of
+    # a first start, 2026-11-28, AMD Zen 3), which the tokenizer built above does not need.
+    from transformers import AutoTokenizer
+
     gguf = file.path
     target = converted_dir(gguf).with_name(converted_dir(gguf).name + "-tokenizer")
     if (target / "tokenizer_config.json").exists():
