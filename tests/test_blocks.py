@@ -215,7 +215,7 @@ def test_grouped_layout(type_name):
 @pytest.mark.parametrize("type_name", GROUPABLE)
 def test_grouped_rows_give_the_files_bits(type_name):
     """A grouped part's products are the file's, bit for bit, on every path (the AVX-512 paths run grouped rows
-    on the avx2 kernels) and at any number of rows (the tiles, and from 16 rows the avx2 panels), in a call with
+    on the avx2 kernels) and at any number of rows (the tiles, and from 32 rows the avx2 panels), in a call with
     parts of other types too, with and without a short last group (of 1, 2, 5 and 7 blocks: pair_lanes' halves,
     a lone block at the end)."""
     for k in (256, 512, 768) if type_name in K_QUANTS else (256, 288, 576, 416, 480):
@@ -328,13 +328,13 @@ def extreme_part(type_name: str, n: int, k: int, level_byte: int) -> torch.Tenso
 @pytest.mark.parametrize("type_name", QUANTIZED)
 def test_saturation_worst_cases(type_name, isa):
     """Activations all +-127 against the extreme levels: VPMADDUBSW's int16 pair sums, and the avx2 path's int16
-    sums of several steps, must not saturate: 20 rows, so that the avx2 path's panels take 16 and its tiles 4."""
+    sums of several steps, must not saturate: 36 rows, so that the avx2 path's panels take 32 and its tiles 4."""
     k = 512
     signs = torch.ones(4, k)
     signs[1] = -1
     signs[2, ::2] = -1
     signs[3, 1::2] = -1
-    signs = signs.repeat(5, 1)
+    signs = signs.repeat(9, 1)
     for level_byte in (0x00, 0xFF, 0x80, 0x7F):
         part = extreme_part(type_name, 8, k, level_byte)
         got = blocks.mm(signs, [part], [type_name], isa)

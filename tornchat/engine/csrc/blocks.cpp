@@ -87,9 +87,12 @@ constexpr int COLS = 4;  // output columns per kernel tile
 // Rows from which the avx512vnni path unpacks columns into panels (vnni_columns): below it the unpacking costs
 // more than the panels save (measured: docs/performance.md, "The many-row panels").
 constexpr int64_t PANEL_ROWS = 64;
-// The same for the avx2 path's panels (avx2_columns), which take rows 8 at a time: 2026-11-27, AMD Zen 3, the 1B's
-// Q4_K and Q6_K products at 16 rows 1.04-1.10x the 8-row tiles' speed, at 8 rows 0.89-0.94x.
-constexpr int64_t AVX2_PANEL_ROWS = 16, AVX2_PANEL_M = 8;
+// The same for the avx2 path's panels (avx2_columns), which take rows 8 at a time. 2026-11-27, AMD Zen 3: the 1B's
+// Q4_K and Q6_K products alone at 16 rows 1.04-1.10x the 8-row tiles' speed, at 8 rows 0.89-0.94x; but a whole
+// forward of a chunk after a prefix (2026-11-28, same CPU kind) ran 16 rows 1.3-1.5x faster on the tiles (1B
+// 148-166 against 219-222 ms, 135M 22-23 against 28-30), 32 rows alike (135M) or 1.05-1.15x (1B), and from 48
+// (135M) or 64 (1B) rows faster on the panels.
+constexpr int64_t AVX2_PANEL_ROWS = 32, AVX2_PANEL_M = 8;
 
 inline float half_to_float(const uint8_t* p) {
   uint16_t h;
