@@ -983,6 +983,7 @@ class Forward {
       auto q = at::empty({total, heads_, head_dim}, kvs[0].options());
       std::vector<LayerCache> caches(seqs);
       std::vector<int64_t> begins(starts);  // each sequence's first row's index in the cache it reads
+      const float* qk_norm = qk_norm_weights(layer.qk_norm, head_dim);
       for (size_t s = 0, row = 0; s < seqs; row += counts[s], ++s) {
         const bool own = apart && layer.window;
         const at::Tensor& kv = own ? window_kvs[s] : kvs[s];  // [layers, 2, capacity, kv_heads, head_dim]
@@ -990,8 +991,7 @@ class Forward {
         char* values = keys + kv.stride(1) * kv.element_size();
         if (own) begins[s] -= window_starts[s];
         caches[s] = LayerCache{keys, values, kv.size(2)};
-        rope_store_into<true>(qkv, table, qk_norm_weights(layer.qk_norm, head_dim), eps_, q, keys, values, row, counts[s],
-                              begins[s], heads_, kv_heads_);
+        rope_store_into<true>(qkv, table, qk_norm, eps_, q, keys, values, row, counts[s], begins[s], heads_, kv_heads_);
       }
       auto out = layer.wo(attend_many(q, caches, kv_heads_, bf16, begins, counts, scale_, layer.window, attend_path_));
       const auto h = add_rms_norm(x, layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out,
