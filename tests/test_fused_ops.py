@@ -141,8 +141,8 @@ def test_attention_gives_the_same_bits_on_every_vector_path(kv_dtype, heads, kv_
 
 @pytest.mark.parametrize("window", [0, 512])
 @pytest.mark.parametrize("kv_dtype", DTYPES)
-# One KV head's tile of 4 (Gemma 3 1B), 3 tiles of 3 (the 135M), 3 tiles of 8, 8 and 4 queries, 3 tiles of one
-# query (AVX2's tiles of 2 split only there).
+# One KV head's tile of 4 (Gemma 3 1B), 3 tiles of 3 (the 135M), 3 tiles of 8, 8 and 4 queries (on AVX2 4 tiles
+# of up to 6, which the threads share evenly), 3 tiles of one query.
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 1, 256), (9, 3, 64), (20, 1, 64), (3, 3, 64)])
 def test_a_long_cache_shared_between_threads_gives_each_row_its_bits(kv_dtype, heads, kv_heads, head_dim, window):
     """From 1,024 positions, a step whose few tiles the threads cannot share evenly has each tile's scores,

@@ -271,10 +271,18 @@ GATED_ON(gated_avx512, TARGET_AVX512, Vec)
 //   w_j = exp(score_j - max score), total = the 16-lane sums of w in order of 16-position groups, then a tree;
 //   out = (sum over even j of w_j v_j + sum over odd j of w_j v_j) / total, each sum in order of j.
 
-// Queries that share each load of keys and values, at most: 2 T accumulators of 16 lanes in registers. AVX-512
-// has 32 registers of 16 lanes; AVX2 16 of 8, and its loops ran fastest at 2 (2026-11-27, Zen 5: 3 and 4 were
-// 1.3-1.5x slower); the baseline's at 1. A query's bits do not depend on its tile.
-constexpr int TILE = 8, AVX2_TILE = 2, BASELINE_TILE = 1;
+// Queries that share each load of keys and values, at most: 2 T accumulators in registers. AVX-512 has 32
+// registers of 16 lanes; AVX2 16 of 8, where the loops take the 16 lanes a half at a time (HalfOf), so that 6
+// queries' 12 sums, a pair of keys and a query's broadcast fit. 2026-11-28, AMD Zen 3, a 1B's 2,048-token
+// prefill: attention 1.1-1.2x faster than 2 queries with both halves at once (4 queries by halves: the same;
+// 2 with both halves was 1.45x one query). The baseline's tile is 1. A query's bits do not depend on its tile.
+constexpr int TILE = 8, AVX2_TILE = 6, BASELINE_TILE = 1;
+
+// The vector the loops over keys and values hold in a register: a Halves type's half (its lanes 0 .. 7 are the
+// 16 lanes' first half, part 0), else the type itself (one part). Each lane's sums are the same either way.
+template <typename F> struct HalfOf { using type = F; static constexpr int parts = 1; };
+template <typename H> struct HalfOf<Halves<H>> { using type = H; static constexpr int parts = 2; };
+template <typename V> constexpr int64_t lanes_of = sizeof(V) / sizeof(float);
 
 // A step's tile, at most this many queries (its grouped heads), reads the cache from memory: it prefetches a
 // block's values while scoring its keys, and on AVX-512 sums two chunks of 16 dims per pass over the values (4 T
@@ -303,41 +311,44 @@ inline __attribute__((always_inline)) void split_pairs(const BFloat16* p, F& a, 
   b = bit_cast<F>(words & 0xffff0000u);
 }
 
-// Dimensions 2t and 2t + 1 of a key block's 16 keys (key_at's forward layout).
-template <typename F>
-inline __attribute__((always_inline)) void key_pair(const float* block, int64_t t, F& k0, F& k1) {
-  k0 = load_vec<F>(block + 2 * t * KEY_BLOCK);
-  k1 = load_vec<F>(block + (2 * t + 1) * KEY_BLOCK);
+// Dimensions 2t and 2t + 1 of a key block's 16 keys (key_at's forward layout), or of its keys part * lanes ..
+// in a vector V of fewer lanes.
+template <typename V>
+inline __attribute__((always_inline)) void key_pair(const float* block, int64_t t, int part, V& k0, V& k1) {
+  k0 = load_vec<V>(block + 2 * t * KEY_BLOCK + part * lanes_of<V>);
+  k1 = load_vec<V>(block + (2 * t + 1) * KEY_BLOCK + part * lanes_of<V>);
 }
-template <typename F>
-inline __attribute__((always_inline)) void key_pair(const BFloat16* block, int64_t t, F& k0, F& k1) {
-  split_pairs(block + 2 * t * KEY_BLOCK, k0, k1);
+template <typename V>
+inline __attribute__((always_inline)) void key_pair(const BFloat16* block, int64_t t, int part, V& k0, V& k1) {
+  split_pairs(block + 2 * t * KEY_BLOCK + 2 * part * lanes_of<V>, k0, k1);
 }
 
-// Dims 16c .. 16c + 15 of KV head h's values, two positions at a time from an even j (value_at's forward layout;
-// values points at position 0), walked by pointer: value_at's divisions and products at every pair cost more
-// than the pair's multiply-adds.
-template <typename F, typename Kv>
+// Dims 16c .. 16c + 15 of KV head h's values (in a vector V of fewer lanes: its part, dims 16c + part * lanes ..),
+// two positions at a time from an even j (value_at's forward layout; values points at position 0), walked by
+// pointer: value_at's divisions and products at every pair cost more than the pair's multiply-adds.
+template <typename V, typename Kv>
 struct ValuePairs {
   const Kv* at;  // positions j and j + 1
   int64_t j, d, within, across;  // within: the step to j + 2 inside a block of KEY_BLOCK; across: from a block's last pair
   int64_t ahead;  // the same dims AHEAD_BLOCKS blocks further on, where the hardware prefetcher has not gone
 
-  ValuePairs(const Kv* values, int64_t h, int64_t kv_heads, int64_t d_, int64_t j_, int64_t c)
-      : at(values + value_at<true, Kv>(j_, h, c * LANES, kv_heads, d_)), j(j_), d(d_), within(2 * d_),
-        across(2 * d_ + (kv_heads - 1) * KEY_BLOCK * d_), ahead(AHEAD_BLOCKS * kv_heads * KEY_BLOCK * d_) {}
+  ValuePairs(const Kv* values, int64_t h, int64_t kv_heads, int64_t d_, int64_t j_, int64_t c, int part = 0)
+      : at(values + value_at<true, Kv>(j_, h, c * LANES, kv_heads, d_) +
+           (std::is_same_v<Kv, float> ? 1 : 2) * part * lanes_of<V>),
+        j(j_), d(d_), within(2 * d_), across(2 * d_ + (kv_heads - 1) * KEY_BLOCK * d_),
+        ahead(AHEAD_BLOCKS * kv_heads * KEY_BLOCK * d_) {}
 
   // k: the chunk k further on (dims 16 (c + k) ..).
-  inline __attribute__((always_inline)) void read(F& v0, F& v1, int64_t k = 0) const {
+  inline __attribute__((always_inline)) void read(V& v0, V& v1, int64_t k = 0) const {
     if constexpr (std::is_same_v<Kv, float>) {
-      v0 = load_vec<F>(at + k * LANES);
-      v1 = load_vec<F>(at + k * LANES + d);
+      v0 = load_vec<V>(at + k * LANES);
+      v1 = load_vec<V>(at + k * LANES + d);
     } else {
       split_pairs(at + 2 * k * LANES, v0, v1);
     }
   }
-  inline __attribute__((always_inline)) F read_first() const {  // position j alone (the last of an odd count)
-    F v0, v1;
+  inline __attribute__((always_inline)) V read_first() const {  // position j alone (the last of an odd count)
+    V v0, v1;
     read(v0, v1);
     return v0;
   }
@@ -358,24 +369,29 @@ inline __attribute__((always_inline)) void score_tile(const Query* queries, cons
                                                       int64_t block_stride,
                                                       int64_t first_block, int64_t blocks, int64_t d, float scale,
                                                       float* scores, int64_t scores_stride) {
+  using V = typename HalfOf<F>::type;
   for (int64_t b = first_block; b < blocks; ++b) {
     const Kv* block = keys + b * block_stride;
-    F even[T], odd[T];
-    for (int m = 0; m < T; ++m) even[m] = odd[m] = F{};
-    for (int64_t t = 0; t < d / 2; ++t) {
-      // A line per pair of dims: a block's keys (and values, as many bytes) over its d / 2 steps.
-      __builtin_prefetch(block + AHEAD_BLOCKS * block_stride + 2 * t * KEY_BLOCK);
-      if constexpr (T <= STEP_TILE) __builtin_prefetch(head_values + b * block_stride + 2 * t * KEY_BLOCK);
-      F k0, k1;
-      key_pair(block, t, k0, k1);
-      for (int m = 0; m < T; ++m) {
-        even[m] += queries[m].q[2 * t] * k0;
-        odd[m] += queries[m].q[2 * t + 1] * k1;
+    for (int part = 0; part < HalfOf<F>::parts; ++part) {
+      V even[T], odd[T];
+      for (int m = 0; m < T; ++m) even[m] = odd[m] = V{};
+      for (int64_t t = 0; t < d / 2; ++t) {
+        // A line per pair of dims: a block's keys (and values, as many bytes) over its d / 2 steps.
+        if (part == 0) {
+          __builtin_prefetch(block + AHEAD_BLOCKS * block_stride + 2 * t * KEY_BLOCK);
+          if constexpr (T <= STEP_TILE) __builtin_prefetch(head_values + b * block_stride + 2 * t * KEY_BLOCK);
+        }
+        V k0, k1;
+        key_pair(block, t, part, k0, k1);
+        for (int m = 0; m < T; ++m) {
+          even[m] += queries[m].q[2 * t] * k0;
+          odd[m] += queries[m].q[2 * t + 1] * k1;
+        }
       }
-    }
-    for (int m = 0; m < T; ++m) {
-      const F s = (even[m] + odd[m]) * scale;
-      store_vec(scores + m * scores_stride + b * KEY_BLOCK, s);
+      for (int m = 0; m < T; ++m) {
+        const V s = (even[m] + odd[m]) * scale;
+        store_vec(scores + m * scores_stride + b * KEY_BLOCK + part * lanes_of<V>, s);
+      }
     }
   }
 }
@@ -424,36 +440,39 @@ inline __attribute__((always_inline)) void value_chunks(const Query* queries, co
                                                         int64_t kv_heads, int64_t d, const float* scores,
                                                         int64_t width, const float* inverse, int64_t shared,
                                                         int64_t first_min, int64_t c) {
-  F even[C][T], odd[C][T];
-  for (int k = 0; k < C; ++k)
-    for (int m = 0; m < T; ++m) even[k][m] = odd[k][m] = F{};
-  for (ValuePairs<F, Kv> pairs(values, h, kv_heads, d, first_min / 2 * 2, c); pairs.j < shared; pairs.next()) {
-    for (int k = 0; k < C; ++k) {
-      pairs.prefetch(k);
-      F v0, v1;
-      pairs.read(v0, v1, k);
+  using V = typename HalfOf<F>::type;
+  for (int part = 0; part < HalfOf<F>::parts; ++part) {
+    V even[C][T], odd[C][T];
+    for (int k = 0; k < C; ++k)
+      for (int m = 0; m < T; ++m) even[k][m] = odd[k][m] = V{};
+    for (ValuePairs<V, Kv> pairs(values, h, kv_heads, d, first_min / 2 * 2, c, part); pairs.j < shared; pairs.next()) {
+      for (int k = 0; k < C; ++k) {
+        pairs.prefetch(k);
+        V v0, v1;
+        pairs.read(v0, v1, k);
+        for (int m = 0; m < T; ++m) {
+          even[k][m] += scores[m * width + pairs.j] * v0;
+          odd[k][m] += scores[m * width + pairs.j + 1] * v1;
+        }
+      }
+    }
+    for (int k = 0; k < C; ++k)
       for (int m = 0; m < T; ++m) {
-        even[k][m] += scores[m * width + pairs.j] * v0;
-        odd[k][m] += scores[m * width + pairs.j + 1] * v1;
+        // The same statements as above, without a branch between the sums: a conditional update is compiled as a
+        // select, which may not fuse the multiply-add the way the statements above do.
+        const float* w = scores + m * width;
+        ValuePairs<V, Kv> pairs(values, h, kv_heads, d, shared, c + k, part);
+        for (; pairs.j + 2 <= queries[m].seen; pairs.next()) {
+          V v0, v1;
+          pairs.read(v0, v1);
+          even[k][m] += w[pairs.j] * v0;
+          odd[k][m] += w[pairs.j + 1] * v1;
+        }
+        if (pairs.j < queries[m].seen) even[k][m] += w[pairs.j] * pairs.read_first();
+        const V scaled = (even[k][m] + odd[k][m]) * inverse[m];
+        store_vec(queries[m].out + (c + k) * LANES + part * lanes_of<V>, scaled);
       }
-    }
   }
-  for (int k = 0; k < C; ++k)
-    for (int m = 0; m < T; ++m) {
-      // The same statements as above, without a branch between the sums: a conditional update is compiled as a
-      // select, which may not fuse the multiply-add the way the statements above do.
-      const float* w = scores + m * width;
-      ValuePairs<F, Kv> pairs(values, h, kv_heads, d, shared, c + k);
-      for (; pairs.j + 2 <= queries[m].seen; pairs.next()) {
-        F v0, v1;
-        pairs.read(v0, v1);
-        even[k][m] += w[pairs.j] * v0;
-        odd[k][m] += w[pairs.j + 1] * v1;
-      }
-      if (pairs.j < queries[m].seen) even[k][m] += w[pairs.j] * pairs.read_first();
-      const F scaled = (even[k][m] + odd[k][m]) * inverse[m];
-      store_vec(queries[m].out + (c + k) * LANES, scaled);
-    }
 }
 
 // What a tile's queries see together: key blocks first_block .. blocks - 1, their scores in rows of width, and
