@@ -48,7 +48,8 @@
 // from PANEL_ROWS rows (a prefill chunk) the columns are unpacked once into panels of 16 that one VPDPBUSD
 // takes against a row's broadcast activations (vnni_columns); the avx2 path does the same from AVX2_PANEL_ROWS
 // rows with panels of 8 columns and VPMADDUBSW (avx2_columns). Weights are prefetched about PREFETCH bytes of a
-// tile's reading ahead, into the next tile past a row's end (ahead).
+// tile's reading ahead, into the next tile past a row's end (ahead), and by the avx2 tiles in address order a tile
+// and PREFETCH_IN_ORDER bytes ahead (ahead_in_order).
 // On the avx2 and avxvnni paths Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows are best given grouped (blocks.h group_blocks): each
 // whole group's levels stored in the transposed steps, so the tiles load them (grouped_steps); the AVX-512 paths
 // run a grouped row on the avx2 kernels, whose operations are theirs.
@@ -1073,10 +1074,27 @@ constexpr int64_t group_bytes(int64_t T) {
          T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
 }
 
+// What the avx2 tiles' column c prefetches at group g: the tile's own bytes (COLS consecutive rows of row_bytes)
+// taken in address order, one group's worth per (g, c) in the order the tile visits them, `distance` bytes past
+// the tile's start. So a tile's prefetches are one sequential stream over memory a tile and PREFETCH_IN_ORDER
+// bytes ahead, where ahead's are COLS streams a row apart: every line is asked for at least a quarter of a tile
+// and PREFETCH_IN_ORDER bytes before it is read. 2026-11-28, AMD Zen 3, one row, two threads, from memory, the
+// two alternating call by call: the 135M's Q4_1 576 x 1536 0.74-0.77x the time, its Q8_0 head 0.90-0.93x, the
+// 1B's Q6_K head 0.82-0.85x, its Q4_K 2560 x 2048 and 16384 x 2048 0.86-0.90x, K = 8192 the same; 8192 bytes
+// ahead or twice a tile (small rows' 32 KiB) 2-13% slower than this distance, 4096 or a tile and 8 KiB the same.
+constexpr int64_t PREFETCH_IN_ORDER = 4096;
+template <int64_t T>
+inline __attribute__((always_inline)) const char* ahead_in_order(const uint8_t* col, int c, int64_t g,
+                                                                 int64_t row_bytes) {
+  const int64_t distance = std::max<int64_t>(2 * PREFETCH_IN_ORDER, COLS * row_bytes + PREFETCH_IN_ORDER);
+  return reinterpret_cast<const char*>(col - c * row_bytes + distance + (g * COLS + c) * group_bytes(T));
+}
+
 // What column col's stream reads `distance` groups after group g, there to be prefetched: past the row's end, the
 // next tile's column of the same place (a tile's COLS columns are consecutive rows of the matrix, and the next
 // tile's follow them), so that a long row's next tile is fetched as early as a short row's. distance: about
-// PREFETCH bytes of the tile's reading ahead.
+// PREFETCH bytes of the tile's reading ahead. The AVX-512 kernels' (tuned on a Zen 5; the avx2 tiles take
+// ahead_in_order).
 template <int64_t T>
 inline __attribute__((always_inline)) const char* ahead(const uint8_t* col, int64_t g, int64_t groups,
                                                         int64_t row_bytes) {
@@ -1228,12 +1246,12 @@ inline __attribute__((always_inline)) __m256i pair_lanes(int nj, const __m256i* 
 // head, whose K of 576 is 2.25 groups, 1.10-1.16x (AMD Zen 3). The same exact integers, so the same bits.
 template <int64_t T, int R, bool TAIL, bool G = false>
 inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, int64_t g, int nj, const RowPtrs* x,
-                                                       __m256 (*acc)[COLS], int64_t groups, int64_t row_bytes) {
+                                                       __m256 (*acc)[COLS], int64_t row_bytes) {
   constexpr int sh = offset_shift(T);
   static_assert(!TAIL || !k_quant(T), "the K-quants' groups are whole super-blocks");
   if (!TAIL) nj = 8;
   for (int c = 0; c < COLS; ++c) {
-    const char* next = ahead<T>(w[c], g, groups, row_bytes);
+    const char* next = ahead_in_order<T>(w[c], c, g, row_bytes);
     for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     __m256 ws, wm, lo, hi;
     __m256i v[8];
@@ -1614,9 +1632,10 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
     x[r] = RowPtrs{a.q.data() + rows[r] * a.k, a.qt.data() + at * QK, a.d.data() + at, a.ds.data() + at,
                    a.neg_sums.data() + at, a.neg_first.data() + at, a.neg_second.data() + at};
   }
-  const int64_t full = jb.nb / 8, groups = (jb.nb + 7) / 8;
+  const int64_t full = jb.nb / 8;
   __m256 acc[R][C];
 #if PASS_VNNI == 2
+  const int64_t groups = (jb.nb + 7) / 8;  // ahead's
   if constexpr (R == 1 && T != Q4_0 && T != Q4_1) {  // one row: its blocks in their own order (quant_group_row)
     const int8_t* q = a.q.data() + rows[0] * a.k;
     for (int c = 0; c < C; ++c) acc[0][c] = _mm256_setzero_ps();
@@ -1638,9 +1657,9 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
 #else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < full; ++g) quant_group<T, R, false, G>(w, g, 8, x, acc, groups, jb.row_bytes);
+  for (int64_t g = 0; g < full; ++g) quant_group<T, R, false, G>(w, g, 8, x, acc, jb.row_bytes);
   if constexpr (!k_quant(T))
-    if (jb.nb % 8) quant_group<T, R, true, G>(w, full, static_cast<int>(jb.nb % 8), x, acc, groups, jb.row_bytes);
+    if (jb.nb % 8) quant_group<T, R, true, G>(w, full, static_cast<int>(jb.nb % 8), x, acc, jb.row_bytes);
 #endif
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) out[r * C + c][0] = lanes8(acc[r][c]);
