@@ -1080,8 +1080,8 @@ constexpr int64_t group_bytes(int64_t T) {
 // bytes ahead, where ahead's are COLS streams a row apart: every line is asked for at least a quarter of a tile
 // and PREFETCH_IN_ORDER bytes before it is read. 2026-11-28, AMD Zen 3, one row, two threads, from memory, the
 // two alternating call by call: the 135M's Q4_1 576 x 1536 0.74-0.77x the time, its Q8_0 head 0.90-0.93x, the
-// 1B's Q6_K head 0.82-0.85x, its Q4_K 2560 x 2048 and 16384 x 2048 0.86-0.90x, K = 8192 the same; 8192 bytes
-// ahead or twice a tile (small rows' 32 KiB) 2-13% slower than this distance, 4096 or a tile and 8 KiB the same.
+// 1B's Q6_K head 0.82-0.85x, its Q4_K 2560 x 2048 and 16384 x 2048 0.86-0.90x, K = 8192 the same. Starting 32 KiB
+// ahead (or two tiles, if more) was 2-13% slower than this distance; a tile and 2 KiB or 8 KiB, the same.
 constexpr int64_t PREFETCH_IN_ORDER = 4096;
 template <int64_t T>
 inline __attribute__((always_inline)) const char* ahead_in_order(const uint8_t* col, int c, int64_t g,
