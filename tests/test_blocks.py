@@ -216,8 +216,8 @@ def test_grouped_layout(type_name):
 def test_grouped_rows_give_the_files_bits(type_name):
     """A grouped part's products are the file's, bit for bit, on every path (the AVX-512 paths run grouped rows
     on the avx2 kernels) and at any number of rows (the tiles, and from 32 rows the avx2 panels), in a call with
-    parts of other types too, with and without a short last group (of 1, 2, 5 and 7 blocks: pair_lanes' halves,
-    a lone block at the end)."""
+    parts of other types too, with and without a short last group (of 1 and 2 blocks: csrc/blocks.cpp short_tail,
+    a tile's 4 columns in one transposed group; of 5 and 7: pair_lanes' halves, a lone block at the end)."""
     for k in (256, 512, 768) if type_name in K_QUANTS else (256, 288, 576, 416, 480):
         part = make_part(type_name, 37, k, seed=k + 1)
         other = make_part("Q4_K" if k % 256 == 0 else "Q5_0", 11, k, seed=k + 2)
@@ -226,7 +226,7 @@ def test_grouped_rows_give_the_files_bits(type_name):
         x = torch.randn(70, k, generator=torch.Generator().manual_seed(k))
         want = blocks.mm(x, [part, other], [type_name, other_type], "generic")
         for isa in isas():
-            for rows in (1, 2, 5, 16, 70):
+            for rows in (1, 2, 4, 5, 8, 16, 70):
                 got = blocks.mm(x[:rows], [grouped, other], [type_name + "_G8", other_type], isa)
                 assert torch.equal(got, want[:rows]), (isa, k, rows)
 
