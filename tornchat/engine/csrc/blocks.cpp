@@ -1259,7 +1259,8 @@ inline __attribute__((always_inline)) __m256i pair_lanes(int nj, const __m256i* 
 // summed over 8 steps of 4 features (the weights transposed once per column, the activations stored so).
 // TAIL: a short last group of nj < 8 blocks (the 32-block types only) takes each block's dot against the plain
 // activations and sums its lanes (block_lanes), where 8 transposed steps cost a whole group: the 135M's Q8_0
-// head, whose K of 576 is 2.25 groups, 1.10-1.16x (AMD Zen 3). The same exact integers, so the same bits.
+// head, whose K of 576 is 2.25 groups, 1.10-1.16x (AMD Zen 3). The same exact integers, so the same bits. A grouped
+// row's group of one or two blocks (that head's, now) goes to short_tail instead.
 template <int64_t T, int R, bool TAIL, bool G = false>
 inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, int64_t g, int nj, const RowPtrs* x,
                                                        __m256 (*acc)[COLS], int64_t row_bytes) {
