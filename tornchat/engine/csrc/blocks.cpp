@@ -156,6 +156,10 @@ struct Acts {
   std::vector<int32_t> tile_sums3, tile_sums4, tile_sums7, tile_first5, tile_second5;
 };
 
+// Whether a row of nb blocks of 32 ends in a short group that short_tail takes (one or two blocks past its groups
+// of 8): the rows Acts::tail is filled for.
+inline bool short_tail_of(int64_t nb) { return nb % 8 != 0 && nb % 8 <= 2; }
+
 // Fills the panels' part of a (the rows / 16 whole tiles of 16 rows).
 inline void tile_rows(Acts& a) {
   const int64_t tiles = a.rows / 16;
@@ -578,7 +582,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, Acts& a, Isa isa) {
   a.neg_sums.assign(rows * a.nbp, 0);
   a.neg_first.assign(rows * a.nbp, 0);
   a.neg_second.assign(rows * a.nbp, 0);
-  if (a.nb % 8 && a.nb % 8 <= 2) a.tail.resize(rows * 256);  // the x86 paths' quantize_row_by fills it
+  if (short_tail_of(a.nb)) a.tail.resize(rows * 256);  // the x86 paths' quantize_row_by fills it
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
 #ifdef TORNCHAT_X86
@@ -1020,7 +1024,7 @@ inline void quantize_row_by(const float* x, int64_t r, Acts& a, Block block) {
     transpose8(v);
     for (int t = 0; t < 8; ++t)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.qt.data() + (r * a.nbp + g * 8) * QK + 32 * t), v[t]);
-    if (g == a.nb / 8 && a.nb % 8 <= 2)  // a short group of one or two blocks: short_tail's steps too
+    if (g == a.nb / 8 && short_tail_of(a.nb))  // the short group short_tail takes: its steps there too
       for (int t = 0; t < 8; ++t)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.tail.data() + r * 256 + 32 * t),
                             _mm256_permutevar8x32_epi32(v[t], _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)));
@@ -1771,7 +1775,7 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < full; ++g) quant_group<T, R, false, G>(w, g, 8, x, acc, jb.row_bytes);
   if constexpr (G && (T == Q4_0 || T == Q4_1 || T == Q8_0))
-    if (jb.nb % 8 && jb.nb % 8 <= 2) return short_tail<T, R>(jb, w, x, rows, acc, out);
+    if (short_tail_of(jb.nb)) return short_tail<T, R>(jb, w, x, rows, acc, out);
   if constexpr (!k_quant(T))
     if (jb.nb % 8) quant_group<T, R, true, G>(w, full, static_cast<int>(jb.nb % 8), x, acc, jb.row_bytes);
 #endif
