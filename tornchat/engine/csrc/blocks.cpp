@@ -1662,8 +1662,8 @@ inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8
   const int64_t g = jb.nb / 8;
   const int nj = static_cast<int>(jb.nb % 8);
   // column c's nj fp16 scales (and minimums) in word c, the second one's zero where nj is 1
-  const uint32_t keep = nj == 2 ? 0xffffffffu : 0xffffu;
-  alignas(16) uint32_t scale16[COLS], min16[COLS] = {};
+  const __m128i keep = _mm_set1_epi32(nj == 2 ? -1 : 0xffff);
+  __m128i scale16[COLS], min16[COLS];
   // v[t]: step t of the 8 (block, column) pairs, lane 4j + c; for the Q4 types first [block 0 | block 1] of each
   // column (block j's 16 bytes: features 4t.. in dword t's low nibbles, 16 + 4t.. in its high ones)
   __m256i v[8], level[COLS];
@@ -1671,9 +1671,8 @@ inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8
     const char* next = ahead_in_order<T>(w[c], c, g, jb.row_bytes);
     for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     const uint8_t* p = w[c] + g * 8 * at.bytes;  // grouped_scales': nj scales, nj minimums, the levels (at least
-    std::memcpy(&scale16[c], p, 4);              // 16 bytes a block): 4 bytes from either field lie within the group
-    scale16[c] &= keep;
-    if constexpr (T == Q4_1) std::memcpy(&min16[c], p + 2 * nj, 4), min16[c] &= keep;
+    scale16[c] = _mm_loadu_si32(p);              // 16 bytes a block): 4 bytes from either field lie within the group
+    min16[c] = T == Q4_1 ? _mm_loadu_si32(p + 2 * nj) : _mm_setzero_si128();
     const uint8_t* lv = p + nj * at.head;
     const auto block = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * j)); };
     if constexpr (T == Q8_0)
@@ -1682,8 +1681,12 @@ inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8
       level[c] = nj == 2 ? block(0) : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lv)));
   }
   const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // lane 4j + c <- fp16 2c + j
-  const auto lanes_of = [&](const uint32_t* words) {
-    return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(words))), order);
+  // the words joined in registers: stored in an array and loaded as one vector, they missed store-to-load
+  // forwarding (a 16-byte load over the compiler's 8-byte stores), where perf put a tenth of a one-row tile's time
+  const auto lanes_of = [&](const __m128i* words) {
+    const __m128i halves = _mm_and_si128(
+        _mm_unpacklo_epi64(_mm_unpacklo_epi32(words[0], words[1]), _mm_unpacklo_epi32(words[2], words[3])), keep);
+    return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(halves), order);
   };
   const __m256 ws = lanes_of(scale16), wm = T == Q4_1 ? lanes_of(min16) : _mm256_setzero_ps();
   if constexpr (T == Q8_0) {
