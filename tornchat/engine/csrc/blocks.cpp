@@ -635,26 +635,41 @@ std::vector<std::string> block_isas() {
 
 std::string block_isa() { return isa_name(chosen_isa()); }
 
-at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
-                    const std::string& isa_name_, at::Tensor out) {
-  const Isa isa = isa_name_.empty() ? chosen_isa() : parse_isa(isa_name_, "isa");
-  TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "block_mm: one type per part, at least one part");
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "block_mm: x must be a CPU tensor [rows, K]");
-  const int64_t k = x.size(1), rows = x.size(0);
-  TORCH_CHECK(k % QK == 0, "block_mm: K must be a multiple of 32");
-  int64_t n_total = 0;
-  bool any_quant = false;
+BlockMatrix block_matrix(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types, const std::string& isa) {
+  TORCH_CHECK(parts.size() == types.size(), "block_mm: one type per part");
+  BlockMatrix w;
+  w.isa = static_cast<int>(isa.empty() ? chosen_isa() : parse_isa(isa, "isa"));
   for (size_t i = 0; i < parts.size(); ++i) {
     TypeInfo info;
     TORCH_CHECK(type_info(types[i], info), "block_mm: unsupported GGML type id ", types[i]);
     const auto& p = parts[i];
     TORCH_CHECK(p.device().is_cpu() && p.scalar_type() == at::kByte && p.dim() == 2 && p.is_contiguous(),
                 "block_mm: each part must be a contiguous CPU uint8 tensor [N_i, row_bytes]");
-    TORCH_CHECK(k % info.values == 0 && p.size(1) == k / info.values * info.bytes, "block_mm: part ", i,
-                "'s rows hold ", p.size(1), " bytes, not K = ", k, " values of type ", types[i]);
-    n_total += p.size(0);
-    any_quant = any_quant || !is_float(types[i]);
+    TORCH_CHECK(p.size(1) % info.bytes == 0, "block_mm: part ", i, "'s rows of ", p.size(1),
+                " bytes are not whole blocks of type ", types[i]);
+    const int64_t k = p.size(1) / info.bytes * info.values;
+    TORCH_CHECK(i == 0 || k == w.k, "block_mm: part ", i, "'s rows hold ", k, " values, part 0's ", w.k);
+    w.k = k, w.n += p.size(0);
+    w.any_quant = w.any_quant || !is_float(types[i]);
+    w.parts.push_back(BlockPart{p.data_ptr<uint8_t>(), p.size(0), p.size(1), types[i]});
   }
+  return w;
+}
+
+at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
+                    const std::string& isa, at::Tensor out) {
+  return block_mm(x, block_matrix(parts, types, isa), std::move(out));
+}
+
+at::Tensor block_mm(const at::Tensor& x, const BlockMatrix& w, at::Tensor out) {
+  const Isa isa = static_cast<Isa>(w.isa);
+  TORCH_CHECK(!w.parts.empty(), "block_mm: at least one part");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "block_mm: x must be a CPU tensor [rows, K]");
+  const int64_t k = x.size(1), rows = x.size(0), n_total = w.n;
+  TORCH_CHECK(k == w.k, "block_mm: x has K = ", k, " features; the parts' rows (", w.parts[0].row_bytes,
+              " bytes of type ", w.parts[0].type, ") hold ", w.k);
+  TORCH_CHECK(k % QK == 0, "block_mm: K must be a multiple of 32");
+  const bool any_quant = w.any_quant;
   // x as it is where it is fp32 already (a step's rows): a no-op to() still costs a dispatch, and a decode step
   // of the 135M makes 120 of these calls
   const auto xf = x.scalar_type() == at::kFloat && x.is_contiguous() ? x : x.to(at::kFloat).contiguous();
@@ -682,24 +697,21 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
     for (CHUNK = 128; CHUNK > 32 && CHUNK * k * 5 / 4 > (512 << 10);) CHUNK /= 2;
   std::vector<Job> jobs;
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (job, first column)
-  jobs.reserve(parts.size());
-  chunks.reserve((n_total + CHUNK - 1) / CHUNK + parts.size());
+  jobs.reserve(w.parts.size());
+  chunks.reserve((n_total + CHUNK - 1) / CHUNK + w.parts.size());
   int64_t offset = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    TypeInfo info;
-    type_info(types[i], info);
-    const bool grouped = types[i] > GROUPED;
-    jobs.push_back(Job{grouped ? types[i] - GROUPED : types[i], k, k / QK, parts[i].size(1), n_total, offset,
-                       parts[i].data_ptr<uint8_t>(), &acts, xf.data_ptr<float>(), out.data_ptr<float>(),
-                       isa == Isa::amx, grouped});
-    for (int64_t c = 0; c < parts[i].size(0); c += CHUNK) chunks.emplace_back(jobs.size() - 1, c);
-    offset += parts[i].size(0);
+  for (const BlockPart& part : w.parts) {
+    const bool grouped = part.type > GROUPED;
+    jobs.push_back(Job{grouped ? part.type - GROUPED : part.type, k, k / QK, part.row_bytes, n_total, offset,
+                       part.data, &acts, xf.data_ptr<float>(), out.data_ptr<float>(), isa == Isa::amx, grouped});
+    for (int64_t c = 0; c < part.rows; c += CHUNK) chunks.emplace_back(jobs.size() - 1, c);
+    offset += part.rows;
   }
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const Job& jb = jobs[chunks[i].first];
       const int64_t c0 = chunks[i].second;
-      const int64_t c1 = std::min(c0 + CHUNK, parts[chunks[i].first].size(0));
+      const int64_t c1 = std::min(c0 + CHUNK, w.parts[chunks[i].first].rows);
       switch (isa) {
 #ifdef TORNCHAT_X86
         case Isa::amx:

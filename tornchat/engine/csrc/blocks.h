@@ -30,9 +30,29 @@ std::vector<std::string> block_isas();
 // The path block_mm takes when none is named: the best of block_isas(), or TORNCHAT_ISA's.
 std::string block_isa();
 
-// x [rows, K] (fp32 or bf16) times the parts' [sum N_i, K] transposed: fp32 [rows, sum N_i]. isa: one of
-// block_isas() or "" for block_isa(). Threads split the output columns, never K. out: where to write it (resized
-// to [rows, sum N_i], its storage kept where large enough), or an undefined tensor for a new one.
+// A weight matrix as block_mm reads it: its parts' rows (pointers into tensors the caller keeps alive), types
+// and sizes, and the instruction-set path, checked and resolved once (block_matrix). A decode step's 120
+// products each read their parts' tensor metadata again otherwise, cold after the weights streamed past.
+struct BlockPart {
+  const uint8_t* data;
+  int64_t rows, row_bytes, type;
+};
+struct BlockMatrix {
+  std::vector<BlockPart> parts;
+  int64_t k = 0, n = 0;  // K, and the parts' rows in all
+  bool any_quant = false;  // any part not F32, F16 or BF16
+  int isa = 0;  // blocks.cpp's path
+};
+
+// parts: uint8 [N_i, row_bytes] of the GGML types (or grouped ids) given, the same K; isa: one of block_isas()
+// or "" for block_isa() (TORNCHAT_ISA read now). No parts: a matrix block_mm refuses.
+BlockMatrix block_matrix(const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types, const std::string& isa);
+
+// x [rows, K] (fp32 or bf16) times the matrix's [N, K] transposed: fp32 [rows, N]. Threads split the output
+// columns, never K. out: where to write it (resized to [rows, N], its storage kept where large enough), or an
+// undefined tensor for a new one.
+at::Tensor block_mm(const at::Tensor& x, const BlockMatrix& w, at::Tensor out = at::Tensor());
+// The same, its matrix given as parts and types (block_matrix's).
 at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& types,
                     const std::string& isa, at::Tensor out = at::Tensor());
 

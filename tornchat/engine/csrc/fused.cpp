@@ -779,13 +779,17 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
 
 // A projection: its weights' parts in their GGML types (blocks.h), each row computed as if alone.
 struct Linear {
-  std::vector<at::Tensor> parts;
-  std::vector<int64_t> types;
-  std::string isa;  // the kernels' instruction-set path (blocks.h)
+  std::vector<at::Tensor> parts;  // kept alive: matrix points into them
+  tornchat::BlockMatrix matrix;
+
+  Linear() = default;
+  // isa: the kernels' instruction-set path (blocks.h)
+  Linear(std::vector<at::Tensor> parts_, const std::vector<int64_t>& types, const std::string& isa)
+      : parts(std::move(parts_)), matrix(tornchat::block_matrix(parts, types, isa)) {}
 
   // out: where to write (block_mm), or undefined for a new tensor
   at::Tensor operator()(const at::Tensor& x, at::Tensor out = at::Tensor()) const {
-    return tornchat::block_mm(x, parts, types, isa, std::move(out));
+    return tornchat::block_mm(x, matrix, std::move(out));
   }
 };
 
