@@ -62,6 +62,23 @@ def test_rope_store(in_dtype, kv_dtype, normed):
         torch.testing.assert_close(got_q.float().view(rows, heads, -1, 2).norm(dim=-1), 1.1 * pairs.norm(dim=-1), **tolerance)
 
 
+@pytest.mark.parametrize("head_dim", [64, 6])  # 6: not a multiple of 8, the scalar loop on every CPU
+def test_rope_rotation_rounds_each_product(head_dim):
+    """The rotation is a c - b s and a s + b c with each product rounded to fp32 before the sum (no fused
+    multiply-add), in the vector loop as in the scalar one: exactly what torch's separate products and sums give."""
+    heads, kv_heads, rows = 3, 1, 4
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim)
+    freqs = torch.randn(rows, head_dim // 2, 2)
+    cache = torch.zeros(2, rows, kv_heads, head_dim)
+    queries = fused.NATIVE.rope_store(qkv, freqs, cache[0], cache[1], heads, kv_heads)
+    pairs = qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, -1, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    c, s = freqs[:, None, :, 0], freqs[:, None, :, 1]
+    expected = torch.stack([a * c - b * s, a * s + b * c], dim=-1).view(rows, heads + kv_heads, head_dim)
+    assert torch.equal(queries, expected[:, :heads])
+    assert torch.equal(cache[0], expected[:, heads:])
+
+
 @pytest.mark.parametrize("gate", ["silu_mul", "gelu_mul"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gated_activations(dtype, gate):

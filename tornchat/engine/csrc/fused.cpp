@@ -14,6 +14,10 @@
 #include "blocks.h"
 #include "vec.h"
 
+#ifdef VEC_X86
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -113,14 +117,45 @@ inline int64_t value_at(int64_t p, int64_t h, int64_t i, int64_t kv_heads, int64
   return block + q * d + i;
 }
 
+// One head's head_dim values rotated: pairs (a, b) at 2j, 2j + 1 with f's (cos, sin) of pair j give a c - b s and
+// a s + b c, each product rounded before the sum (no fused multiply-add), 8 values a vector where the CPU has AVX2:
+// the same bits either way.
+#ifdef VEC_X86
+TARGET_AVX2
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void rotate_avx2(const float* x, const float* f, float* out, int64_t head_dim) {
+  for (int64_t i = 0; i < head_dim; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i), cs = _mm256_loadu_ps(f + i);
+    const __m256 cos_products = _mm256_mul_ps(v, _mm256_moveldup_ps(cs));  // a c, b c
+    const __m256 sin_products = _mm256_mul_ps(_mm256_permute_ps(v, 0xB1), _mm256_movehdup_ps(cs));  // b s, a s
+    _mm256_storeu_ps(out + i, _mm256_addsub_ps(cos_products, sin_products));
+  }
+}
+#endif
+
+inline void rotate(const float* x, const float* f, float* out, int64_t head_dim) {
+#ifdef VEC_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2 && head_dim % 8 == 0) return rotate_avx2(x, f, out, head_dim);
+#endif
+  for (int64_t j = 0; j < head_dim / 2; ++j) {
+    const float a = x[2 * j], b = x[2 * j + 1], c = f[2 * j], s = f[2 * j + 1];
+    out[2 * j] = a * c - b * s;
+    out[2 * j + 1] = a * s + b * c;
+  }
+}
+
 // Rows r = 0 .. rows - 1 are positions start + r; keys and values point at position 0 of a layer's cache.
 // qk_norm: null, or [2, head_dim] weights (queries', keys') of a per-head RMS norm before the rotation (Qwen3).
 template <bool FORWARD, typename In, typename Kv>
 void rope_store_rows(const In* qkv, const float* freqs, const float* qk_norm, float eps, Kv* queries, Kv* keys,
                      Kv* values, int64_t rows, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim) {
-  const int64_t width = (heads + 2 * kv_heads) * head_dim, half = head_dim / 2;
+  const int64_t width = (heads + 2 * kv_heads) * head_dim;
+  TORCH_CHECK(head_dim % 2 == 0 && head_dim <= 256, "head_dim must be even, at most 256");
   at::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
-    std::vector<float> x(head_dim);
+    float x[256], rotated[256];
     for (int64_t r = first; r < last; ++r) {
       const In* row = qkv + r * width;
       const float* f = freqs + r * head_dim;  // (cos, sin) pairs, magnitude included
@@ -130,20 +165,16 @@ void rope_store_rows(const In* qkv, const float* freqs, const float* qk_norm, fl
         for (int64_t i = 0; i < head_dim; ++i) x[i] = to_float(src[i]);
         if (qk_norm) {
           const float* w = qk_norm + (h < heads ? 0 : head_dim);
-          const float inv = 1.f / std::sqrt(sum_of_squares(x.data(), head_dim) / static_cast<float>(head_dim) + eps);
+          const float inv = 1.f / std::sqrt(sum_of_squares(x, head_dim) / static_cast<float>(head_dim) + eps);
           for (int64_t i = 0; i < head_dim; ++i) x[i] = x[i] * inv * w[i];
         }
-        for (int64_t j = 0; j < half; ++j) {
-          const float a = x[2 * j], b = x[2 * j + 1];
-          const float c = f[2 * j], s = f[2 * j + 1];
-          const float even = a * c - b * s, odd = a * s + b * c;
-          if (h < heads) {
-            queries[(r * heads + h) * head_dim + 2 * j] = static_cast<Kv>(even);
-            queries[(r * heads + h) * head_dim + 2 * j + 1] = static_cast<Kv>(odd);
-          } else {
-            keys[key_at<FORWARD, Kv>(p, h - heads, 2 * j, kv_heads, head_dim)] = static_cast<Kv>(even);
-            keys[key_at<FORWARD, Kv>(p, h - heads, 2 * j + 1, kv_heads, head_dim)] = static_cast<Kv>(odd);
-          }
+        rotate(x, f, rotated, head_dim);
+        if (h < heads) {
+          Kv* q = queries + (r * heads + h) * head_dim;
+          for (int64_t i = 0; i < head_dim; ++i) q[i] = static_cast<Kv>(rotated[i]);
+        } else {
+          for (int64_t i = 0; i < head_dim; ++i)
+            keys[key_at<FORWARD, Kv>(p, h - heads, i, kv_heads, head_dim)] = static_cast<Kv>(rotated[i]);
         }
       }
       const In* v = row + (heads + kv_heads) * head_dim;
