@@ -149,8 +149,9 @@ inline void rotate(const float* x, const float* f, float* out, int64_t head_dim)
 
 // Rows r = 0 .. rows - 1 are positions start + r; keys and values point at position 0 of a layer's cache.
 // qk_norm: null, or [2, head_dim] weights (queries', keys') of a per-head RMS norm before the rotation (Qwen3).
-template <bool FORWARD, typename In, typename Kv>
-void rope_store_rows(const In* qkv, const float* freqs, const float* qk_norm, float eps, Kv* queries, Kv* keys,
+// Queries are rounded to the cache's type Kv and stored as Q: Kv, or fp32 for attention to read as it is.
+template <bool FORWARD, typename In, typename Q, typename Kv>
+void rope_store_rows(const In* qkv, const float* freqs, const float* qk_norm, float eps, Q* queries, Kv* keys,
                      Kv* values, int64_t rows, int64_t start, int64_t heads, int64_t kv_heads, int64_t head_dim) {
   const int64_t width = (heads + 2 * kv_heads) * head_dim;
   TORCH_CHECK(head_dim % 2 == 0 && head_dim <= 256, "head_dim must be even, at most 256");
@@ -170,8 +171,8 @@ void rope_store_rows(const In* qkv, const float* freqs, const float* qk_norm, fl
         }
         rotate(x, f, rotated, head_dim);
         if (h < heads) {
-          Kv* q = queries + (r * heads + h) * head_dim;
-          for (int64_t i = 0; i < head_dim; ++i) q[i] = static_cast<Kv>(rotated[i]);
+          Q* q = queries + (r * heads + h) * head_dim;
+          for (int64_t i = 0; i < head_dim; ++i) q[i] = static_cast<Q>(static_cast<Kv>(rotated[i]));
         } else {
           for (int64_t i = 0; i < head_dim; ++i)
             keys[key_at<FORWARD, Kv>(p, h - heads, i, kv_heads, head_dim)] = static_cast<Kv>(rotated[i]);
@@ -194,28 +195,32 @@ const float* qk_norm_weights(const at::Tensor& qk_norm, int64_t head_dim) {
 }
 
 // Rows row0 .. row0 + rows - 1 of qkv (fp32 or bf16) and freqs, at positions start ..: their rotated queries into
-// the same rows of queries [.., heads, head_dim] (the cache's dtype), their keys and values into one layer's cache
-// at keys and values (of queries' dtype; rope_store_rows). Pointers, not views: a step made five views a layer
-// and sequence, which cost more than the step's rotation itself.
+// the same rows of queries [.., heads, head_dim] (the cache's dtype, or fp32 holding the values rounded to it),
+// their keys and values into one layer's cache at keys and values (bf16 where kv_bf16, else fp32;
+// rope_store_rows). Pointers, not views: a step made five views a layer and sequence, which cost more than the
+// step's rotation itself.
 template <bool FORWARD>
 void rope_store_into(const at::Tensor& qkv, const at::Tensor& freqs, const float* norm, double eps, at::Tensor& queries,
-                     void* keys, void* values, int64_t row0, int64_t rows, int64_t start, int64_t heads, int64_t kv_heads) {
+                     bool kv_bf16, void* keys, void* values, int64_t row0, int64_t rows, int64_t start, int64_t heads,
+                     int64_t kv_heads) {
   const int64_t head_dim = queries.size(-1), width = (heads + 2 * kv_heads) * head_dim;
   TORCH_CHECK(qkv.is_contiguous() && qkv.dim() == 2 && qkv.size(1) == width && row0 + rows <= qkv.size(0) &&
                   queries.is_contiguous() && row0 + rows <= queries.size(0),
               "qkv must be contiguous [rows, (heads + 2 kv_heads) * head_dim], the queries' rows among them");
-  const bool in_bf16 = qkv.scalar_type() == at::kBFloat16, kv_bf16 = queries.scalar_type() == at::kBFloat16;
+  const bool in_bf16 = qkv.scalar_type() == at::kBFloat16, q_fp32 = queries.scalar_type() == at::kFloat;
   TORCH_CHECK(in_bf16 || qkv.scalar_type() == at::kFloat, "qkv must be fp32 or bf16");
-  TORCH_CHECK(kv_bf16 || queries.scalar_type() == at::kFloat, "the cache must be fp32 or bf16");
+  TORCH_CHECK(q_fp32 || (kv_bf16 && queries.scalar_type() == at::kBFloat16), "queries must be fp32 or the cache's dtype");
   const float* f = freqs.data_ptr<float>() + row0 * head_dim;
-#define ROPE(IN, KV)                                                                                              \
+#define ROPE(IN, Q, KV)                                                                                           \
   rope_store_rows<FORWARD>(qkv.data_ptr<IN>() + row0 * width, f, norm, float(eps),                                \
-                           queries.data_ptr<KV>() + row0 * heads * head_dim, static_cast<KV*>(keys),               \
+                           queries.data_ptr<Q>() + row0 * heads * head_dim, static_cast<KV*>(keys),                \
                            static_cast<KV*>(values), rows, start, heads, kv_heads, head_dim)
-  if (in_bf16 && kv_bf16) ROPE(BFloat16, BFloat16);
-  else if (in_bf16) ROPE(BFloat16, float);
-  else if (kv_bf16) ROPE(float, BFloat16);
-  else ROPE(float, float);
+  if (in_bf16 && kv_bf16 && q_fp32) ROPE(BFloat16, float, BFloat16);
+  else if (in_bf16 && kv_bf16) ROPE(BFloat16, BFloat16, BFloat16);
+  else if (in_bf16) ROPE(BFloat16, float, float);
+  else if (kv_bf16 && q_fp32) ROPE(float, float, BFloat16);
+  else if (kv_bf16) ROPE(float, BFloat16, BFloat16);
+  else ROPE(float, float, float);
 #undef ROPE
 }
 
@@ -234,9 +239,11 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor
   TORCH_CHECK(freqs.scalar_type() == at::kFloat && freqs.numel() == rows * head_dim, "freqs must be fp32 [rows, head_dim / 2, 2]");
   TORCH_CHECK(keys.numel() == rows * kv_heads * head_dim && values.sizes() == keys.sizes(), "keys and values must be [rows, kv_heads, head_dim]");
   TORCH_CHECK(keys.scalar_type() == values.scalar_type(), "keys and values must share a dtype");
+  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16, "the cache must be fp32 or bf16");
   auto queries = at::empty({rows, heads, head_dim}, keys.options());
   rope_store_into<false>(qkv, freqs, qk_norm_weights(qk_norm.value_or(at::Tensor()), head_dim), eps, queries,
-                         keys.data_ptr(), values.data_ptr(), 0, rows, 0, heads, kv_heads);
+                         keys.scalar_type() == at::kBFloat16, keys.data_ptr(), values.data_ptr(), 0, rows, 0, heads,
+                         kv_heads);
   return queries;
 }
 
@@ -692,7 +699,7 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<LayerCache>& cache
   RECORD_FUNCTION("tornchat::attend", std::vector<c10::IValue>());  // for torch.profiler (bench/decode_speed.py)
   const size_t seqs = caches.size();
   TORCH_CHECK(starts.size() == seqs && counts.size() == seqs, "one cache, start and count per sequence");
-  const auto queries = q.to(at::kFloat).contiguous();
+  const auto queries = q.scalar_type() == at::kFloat && q.is_contiguous() ? q : q.to(at::kFloat).contiguous();
   const int64_t rows = queries.size(0), heads = queries.size(1), d = queries.size(2);
   TORCH_CHECK(seqs > 0, "no sequence");
   const int64_t groups = heads / kv_heads;
@@ -1026,6 +1033,9 @@ class Forward {
     // activation (32 MiB at 1B), at or past malloc's largest threshold for mapping memory anew, so that each
     // layer's own tensor was mapped, faulted in page by page and unmapped: 5-10% of a 1B prefill.
     at::Tensor gate_up;
+    // Each layer's other products written where the layer before wrote its own (dead by then): a new tensor for
+    // each took about 0.3 us, three times a layer.
+    at::Tensor qkv_out, o_out, down_out;
     // The residual stream is updated in place (add_rms_norm), in a copy: the caller's x stays as it was. normed:
     // the next layer's attention norm of it.
     x = x.contiguous().to(at::kFloat, false, true);
@@ -1033,10 +1043,11 @@ class Forward {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       const at::Tensor& table = layer.window && local_freqs ? *local_freqs : freqs;
-      auto qkv = layer.wqkv(normed);
-      if (layer.bqkv.numel()) qkv = qkv + layer.bqkv;
-      qkv = qkv.contiguous();
-      auto q = at::empty({total, heads_, head_dim}, kvs[0].options());
+      qkv_out = layer.wqkv(normed, qkv_out);
+      const auto qkv = layer.bqkv.numel() ? (qkv_out + layer.bqkv).contiguous() : qkv_out;
+      // the queries in fp32, each rounded to the cache's dtype as before (rope_store_rows), for attention to read
+      // as they are: converting them there took a tensor and a copy a layer
+      auto q = at::empty({total, heads_, head_dim}, kvs[0].options().dtype(at::kFloat));
       std::vector<LayerCache> caches(seqs);
       std::vector<int64_t> begins(starts);  // each sequence's first row's index in the cache it reads
       const float* qk_norm = qk_norm_weights(layer.qk_norm, head_dim);
@@ -1047,14 +1058,16 @@ class Forward {
         char* values = keys + kv.stride(1) * kv.element_size();
         if (own) begins[s] -= window_starts[s];
         caches[s] = LayerCache{keys, values, kv.size(2)};
-        rope_store_into<true>(qkv, table, qk_norm, eps_, q, keys, values, row, counts[s], begins[s], heads_, kv_heads_);
+        rope_store_into<true>(qkv, table, qk_norm, eps_, q, bf16, keys, values, row, counts[s], begins[s], heads_,
+                              kv_heads_);
       }
-      auto out = layer.wo(attend_many(q, caches, kv_heads_, bf16, begins, counts, scale_, layer.window, attend_path_));
+      o_out = layer.wo(attend_many(q, caches, kv_heads_, bf16, begins, counts, scale_, layer.window, attend_path_), o_out);
+      auto out = o_out;
       const auto h = add_rms_norm(x, layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out,
                                   layer.ffn_norm, eps_);
       if (layer.moe.w13.empty()) {
         gate_up = layer.w13(h, gate_up);
-        out = layer.w2(gate(gate_up, gelu_, attend_path_));
+        out = down_out = layer.w2(gate(gate_up, gelu_, attend_path_), down_out);
       } else {
         out = mixture(layer.moe, h, gelu_, attend_path_);
       }
