@@ -676,7 +676,7 @@ at::Tensor block_mm(const at::Tensor& x, const BlockMatrix& w, at::Tensor out) {
   if (out.defined()) {
     TORCH_CHECK(out.scalar_type() == at::kFloat && out.device().is_cpu() && out.is_contiguous(),
                 "block_mm: out must be a contiguous fp32 CPU tensor");
-    out.resize_({rows, n_total});
+    if (out.dim() != 2 || out.size(0) != rows || out.size(1) != n_total) out.resize_({rows, n_total});  // a dispatch
   } else {
     out = at::empty({rows, n_total}, xf.options());
   }

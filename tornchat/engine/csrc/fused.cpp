@@ -78,12 +78,23 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, b
   return out;
 }
 
+// A result's tensor: out (Forward::forward's, where the layer before wrote the same result, dead by then) resized
+// to sizes if it is not of them, or a new one where out is undefined. A new tensor costs about 0.3 us, and a
+// layer makes a dozen.
+at::Tensor result_tensor(at::Tensor out, at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (!out.defined()) return at::empty(sizes, options);
+  TORCH_CHECK(out.scalar_type() == options.dtype() && out.is_contiguous(), "out must be contiguous, of the result's dtype");
+  if (out.sizes() != sizes) out.resize_(sizes);
+  return out;
+}
+
 // x += delta in place (both fp32 [rows, hidden]), then rms_norm(x, weight) in fp32: what x = x + delta followed by
-// rms_norm gives, without a new x and a second pass.
-at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+// rms_norm gives, without a new x and a second pass. out: result_tensor's.
+at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps,
+                        at::Tensor out = at::Tensor()) {
   check_cpu_contiguous(delta, "delta");
   TORCH_CHECK(delta.sizes() == x.sizes() && delta.scalar_type() == at::kFloat, "delta must be fp32 of x's shape");
-  auto out = at::empty_like(x);
+  out = result_tensor(std::move(out), x.sizes(), x.options());
   rms_norm_rows(x.data_ptr<float>(), delta.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
                 x.size(0), x.size(-1), float(eps));
   return out;
@@ -638,10 +649,10 @@ void gated_on(AttendPath path, const T* gate_up, T* out, int64_t rows, int64_t w
 }
 
 template <bool GELU>
-at::Tensor gated(const at::Tensor& gate_up, AttendPath path) {
+at::Tensor gated(const at::Tensor& gate_up, AttendPath path, at::Tensor out = at::Tensor()) {
   check_cpu_contiguous(gate_up, "gate_up");
   const int64_t width = gate_up.size(-1) / 2, rows = gate_up.numel() / (2 * width);
-  auto out = at::empty({rows, width}, gate_up.options());
+  out = result_tensor(std::move(out), {rows, width}, gate_up.options());
   if (gate_up.scalar_type() == at::kBFloat16)
     gated_on<GELU>(path, gate_up.data_ptr<BFloat16>(), out.data_ptr<BFloat16>(), rows, width);
   else if (gate_up.scalar_type() == at::kFloat)
@@ -653,8 +664,8 @@ at::Tensor gated(const at::Tensor& gate_up, AttendPath path) {
 
 at::Tensor silu_mul(const at::Tensor& gate_up, const std::string& isa) { return gated<false>(gate_up, attend_path(isa)); }
 at::Tensor gelu_mul(const at::Tensor& gate_up, const std::string& isa) { return gated<true>(gate_up, attend_path(isa)); }
-at::Tensor gate(const at::Tensor& gate_up, bool gelu, AttendPath path) {
-  return gelu ? gated<true>(gate_up, path) : gated<false>(gate_up, path);
+at::Tensor gate(const at::Tensor& gate_up, bool gelu, AttendPath path, at::Tensor out = at::Tensor()) {
+  return gelu ? gated<true>(gate_up, path, std::move(out)) : gated<false>(gate_up, path, std::move(out));
 }
 
 template <typename Kv>
@@ -695,7 +706,7 @@ struct LayerCache {
 // or how many positions, its own included, a row sees (the last ones: a sliding-window layer). path: attend_path's.
 at::Tensor attend_many(const at::Tensor& q, const std::vector<LayerCache>& caches, int64_t kv_heads, bool bf16,
                        const std::vector<int64_t>& starts, const std::vector<int64_t>& counts, double scale,
-                       int64_t window, AttendPath path) {
+                       int64_t window, AttendPath path, at::Tensor out = at::Tensor()) {
   RECORD_FUNCTION("tornchat::attend", std::vector<c10::IValue>());  // for torch.profiler (bench/decode_speed.py)
   const size_t seqs = caches.size();
   TORCH_CHECK(starts.size() == seqs && counts.size() == seqs, "one cache, start and count per sequence");
@@ -719,7 +730,7 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<LayerCache>& cache
     longest = std::max(longest, starts[s] + counts[s]);
   }
   TORCH_CHECK(first_row[seqs - 1] + counts[seqs - 1] == rows, "the counts must add up to q's rows");
-  auto out = at::empty({rows, heads * d}, queries.options());
+  out = result_tensor(std::move(out), {rows, heads * d}, queries.options());
   const float* qp = queries.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t tile_count = first_tile[seqs], width = (longest + KEY_BLOCK - 1) / KEY_BLOCK * KEY_BLOCK;
@@ -1033,9 +1044,8 @@ class Forward {
     // activation (32 MiB at 1B), at or past malloc's largest threshold for mapping memory anew, so that each
     // layer's own tensor was mapped, faulted in page by page and unmapped: 5-10% of a 1B prefill.
     at::Tensor gate_up;
-    // Each layer's other products written where the layer before wrote its own (dead by then): a new tensor for
-    // each took about 0.3 us, three times a layer.
-    at::Tensor qkv_out, o_out, down_out;
+    // Each layer's other results written where the layer before wrote its own, dead by then (result_tensor).
+    at::Tensor qkv_out, q, attended, o_out, h_out, gated_out, down_out, normed_out;
     // The residual stream is updated in place (add_rms_norm), in a copy: the caller's x stays as it was. normed:
     // the next layer's attention norm of it.
     x = x.contiguous().to(at::kFloat, false, true);
@@ -1047,7 +1057,7 @@ class Forward {
       const auto qkv = layer.bqkv.numel() ? (qkv_out + layer.bqkv).contiguous() : qkv_out;
       // the queries in fp32, each rounded to the cache's dtype as before (rope_store_rows), for attention to read
       // as they are: converting them there took a tensor and a copy a layer
-      auto q = at::empty({total, heads_, head_dim}, kvs[0].options().dtype(at::kFloat));
+      q = result_tensor(q, {total, heads_, head_dim}, kvs[0].options().dtype(at::kFloat));
       std::vector<LayerCache> caches(seqs);
       std::vector<int64_t> begins(starts);  // each sequence's first row's index in the cache it reads
       const float* qk_norm = qk_norm_weights(layer.qk_norm, head_dim);
@@ -1061,19 +1071,21 @@ class Forward {
         rope_store_into<true>(qkv, table, qk_norm, eps_, q, bf16, keys, values, row, counts[s], begins[s], heads_,
                               kv_heads_);
       }
-      o_out = layer.wo(attend_many(q, caches, kv_heads_, bf16, begins, counts, scale_, layer.window, attend_path_), o_out);
-      auto out = o_out;
-      const auto h = add_rms_norm(x, layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out,
-                                  layer.ffn_norm, eps_);
+      attended = attend_many(q, caches, kv_heads_, bf16, begins, counts, scale_, layer.window, attend_path_, attended);
+      auto out = o_out = layer.wo(attended, o_out);
+      const auto h = h_out = add_rms_norm(
+          x, layer.post_attn_norm.numel() ? rms_norm(out, layer.post_attn_norm, eps_, false) : out, layer.ffn_norm, eps_,
+          h_out);
       if (layer.moe.w13.empty()) {
         gate_up = layer.w13(h, gate_up);
-        out = down_out = layer.w2(gate(gate_up, gelu_, attend_path_), down_out);
+        gated_out = gate(gate_up, gelu_, attend_path_, gated_out);
+        out = down_out = layer.w2(gated_out, down_out);
       } else {
         out = mixture(layer.moe, h, gelu_, attend_path_);
       }
       if (layer.post_ffn_norm.numel()) out = rms_norm(out, layer.post_ffn_norm, eps_, false);
       if (i + 1 < layers_.size()) {
-        normed = add_rms_norm(x, out, layers_[i + 1].attn_norm, eps_);
+        normed = normed_out = add_rms_norm(x, out, layers_[i + 1].attn_norm, eps_, normed_out);
       } else {
         x.add_(out);
       }
