@@ -129,14 +129,15 @@ inline int64_t value_at(int64_t p, int64_t h, int64_t i, int64_t kv_heads, int64
 }
 
 // One head's head_dim values rotated: pairs (a, b) at 2j, 2j + 1 with f's (cos, sin) of pair j give a c - b s and
-// a s + b c, each product rounded before the sum (no fused multiply-add), 8 values a vector where the CPU has AVX2:
-// the same bits either way.
-#ifdef VEC_X86
-TARGET_AVX2
+// a s + b c, each product rounded before the sum (no fused multiply-add, also where the default target has one, as
+// on ARM), 8 values a vector where the CPU has AVX2: the same bits either way.
 #if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_CONTRACT
 #endif
-void rotate_avx2(const float* x, const float* f, float* out, int64_t head_dim) {
+#ifdef VEC_X86
+TARGET_AVX2 NO_CONTRACT void rotate_avx2(const float* x, const float* f, float* out, int64_t head_dim) {
   for (int64_t i = 0; i < head_dim; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i), cs = _mm256_loadu_ps(f + i);
     const __m256 cos_products = _mm256_mul_ps(v, _mm256_moveldup_ps(cs));  // a c, b c
@@ -146,7 +147,7 @@ void rotate_avx2(const float* x, const float* f, float* out, int64_t head_dim) {
 }
 #endif
 
-inline void rotate(const float* x, const float* f, float* out, int64_t head_dim) {
+NO_CONTRACT void rotate(const float* x, const float* f, float* out, int64_t head_dim) {
 #ifdef VEC_X86
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2 && head_dim % 8 == 0) return rotate_avx2(x, f, out, head_dim);
@@ -157,6 +158,7 @@ inline void rotate(const float* x, const float* f, float* out, int64_t head_dim)
     out[2 * j + 1] = a * s + b * c;
   }
 }
+#undef NO_CONTRACT
 
 // Rows r = 0 .. rows - 1 are positions start + r; keys and values point at position 0 of a layer's cache.
 // qk_norm: null, or [2, head_dim] weights (queries', keys') of a per-head RMS norm before the rotation (Qwen3).
