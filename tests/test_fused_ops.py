@@ -17,6 +17,32 @@ def test_the_extension_is_built():
     assert fused.ops_for(torch.device("meta"), torch.float32) is fused.REFERENCE
 
 
+@pytest.fixture
+def two_threads():
+    """At least two threads for the C++ loops, so that a team (csrc/team.h) has a helper on any machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n,grain", [(1, 1), (2, 1), (3, 1), (7, 2), (10, 16), (100, 16), (1000, 1)])
+def test_a_team_hands_out_the_parts_at_parallel_for_does(two_threads, n, grain):
+    # Each loop's parts, and so what every part computes, are the same inside a forward's team as outside it;
+    # successive loops in one team each cover the range once, and a loop nested in a part visits all of it.
+    teamed = fused._native._team_parts(n, grain, 3, True)
+    assert teamed == fused._native._team_parts(n, grain, 3, False)
+    assert sorted(i for first, last, _ in teamed for i in range(first, last)) == sorted(list(range(n)) * 3)
+    assert all(visited == last - first for first, last, visited in teamed)
+
+
+@pytest.mark.parametrize("fail_at", [3, 40])  # in the calling thread's part, in the helper's
+def test_an_error_in_a_teams_loop_reaches_the_caller(two_threads, fail_at):
+    with pytest.raises(RuntimeError, match="failed"):
+        fused._native._team_parts(50, 1, 4, True, fail_at)
+    assert len(fused._native._team_parts(50, 1, 2, True)) == 4  # the threads are free again
+
+
 @pytest.mark.parametrize("hidden", [576, 100])  # the squares' 8 lanes whole, and with 4 values over
 @pytest.mark.parametrize("bf16_out", [False, True])
 def test_rms_norm(bf16_out, hidden):

@@ -38,7 +38,7 @@
 //
 // Built without -march: each x86 path is this file's second half compiled again under its own
 // `#pragma GCC target` (the file includes itself) and chosen at run time by __builtin_cpu_supports. The
-// generic path is plain C++ and the only one elsewhere. Threads split the output columns (at::parallel_for),
+// generic path is plain C++ and the only one elsewhere. Threads split the output columns (team::parallel_for),
 // never K. Each kernel computes a tile of R rows by 4 columns: every weight block is unpacked and transposed
 // once for the R rows (R up to 8, AVX-512 16), each (row, column) its own chain. AVX-512 holds two columns
 // per 512-bit register, each half doing the 256-bit operations. Two AVX-512 kernels skip that transpose
@@ -60,6 +60,7 @@
 // it. TORNCHAT_ISA=avx512vnni turns it off.
 #ifndef TORNCHAT_BLOCKS_PASS
 #include "blocks.h"
+#include "team.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -167,7 +168,7 @@ inline void tile_rows(Acts& a) {
   for (auto* v : {&a.tile_d, &a.tile_ds}) v->resize(tiles * a.nb * 16);
   for (auto* v : {&a.tile_sums3, &a.tile_sums4, &a.tile_sums7, &a.tile_first5, &a.tile_second5})
     v->resize(tiles * a.nb * 16);
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+  team::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t tile = t0; tile < t1; ++tile)
       for (int64_t b = 0; b < a.nb; ++b) {
         int8_t* dst = a.qv.data() + (tile * a.nb + b) * 512;
@@ -583,7 +584,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, Acts& a, Isa isa) {
   a.neg_first.assign(rows * a.nbp, 0);
   a.neg_second.assign(rows * a.nbp, 0);
   if (short_tail_of(a.nb)) a.tail.resize(rows * 256);  // the x86 paths' quantize_row_by fills it
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  team::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
 #ifdef TORNCHAT_X86
       if (isa == Isa::avx512vnni || isa == Isa::amx) {
@@ -707,7 +708,7 @@ at::Tensor block_mm(const at::Tensor& x, const BlockMatrix& w, at::Tensor out) {
     for (int64_t c = 0; c < part.rows; c += CHUNK) chunks.emplace_back(jobs.size() - 1, c);
     offset += part.rows;
   }
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
+  team::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
     for (int64_t i = first; i < last; ++i) {
       const Job& jb = jobs[chunks[i].first];
       const int64_t c0 = chunks[i].second;
