@@ -1,11 +1,11 @@
 // Threads that stay together through a whole forward (with_team), so that each parallel loop inside it
-// (team::parallel_for: a step's ~150 matrix products and attention's stages) is handed to threads already
-// spinning, instead of an OpenMP fork and join per loop: a fork cost about 0.9 us and the second thread started
-// 1.0-1.6 us after the first, on steps of 4-5 ms made of such loops (the 135M's, AMD Zen 3).
+// (team::parallel_for: a one-row step's ~137, its matrix products and attention's passes) is handed to threads
+// already spinning, instead of an OpenMP fork and join per loop: a fork cost about 0.9 us and the second thread
+// started 1.0-1.6 us after the first, on steps of 4-5 ms made of such loops (the 135M's, AMD Zen 3).
 //
-// team::parallel_for splits a range exactly as at::parallel_for does (contiguous parts of ceil(n / threads),
-// none under grain; run inline when n <= grain), so a loop's parts, and what each part computes, do not depend
-// on whether a team runs it. Outside with_team, and inside a part (nested loops), it is at::parallel_for.
+// team::parallel_for splits a range exactly as at::parallel_for does (contiguous parts of ceil(n / parts),
+// at most ceil(n / grain) parts; inline when n <= grain), so a loop's parts, and what each part computes, do not
+// depend on whether a team runs it. Outside with_team, and inside a part (nested loops), it is at::parallel_for.
 #pragma once
 #include <ATen/Parallel.h>
 
