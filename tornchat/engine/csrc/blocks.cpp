@@ -47,9 +47,9 @@
 // AVX2 a 4 x 4 dword transpose: q4_steps), and
 // from PANEL_ROWS rows (a prefill chunk) the columns are unpacked once into panels of 16 that one VPDPBUSD
 // takes against a row's broadcast activations (vnni_columns); the avx2 path does the same from AVX2_PANEL_ROWS
-// rows with panels of 8 columns and VPMADDUBSW (avx2_columns). Weights are prefetched about PREFETCH bytes of a
-// tile's reading ahead, into the next tile past a row's end (ahead), and by the avx2 tiles in address order a tile
-// and PREFETCH_IN_ORDER bytes ahead (ahead_in_order).
+// rows with panels of 8 columns and VPMADDUBSW (avx2_columns). The tiles prefetch their weights in address
+// order, a tile and PREFETCH_IN_ORDER bytes ahead (ahead_in_order); the float tiles PREFETCH bytes ahead in each
+// column.
 // On the avx2 and avxvnni paths Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows are best given grouped (blocks.h group_blocks): each
 // whole group's levels stored in the transposed steps, so the tiles load them (grouped_steps); the AVX-512 paths
 // run a grouped row on the avx2 kernels, whose operations are theirs. There a short last group of one or two
@@ -795,8 +795,9 @@ namespace PASS_NS {
 #ifndef TORNCHAT_PREFETCH
 #define TORNCHAT_PREFETCH 32768
 #endif
-// Bytes of a tile's reading ahead (ahead). 32768 against 8192 within each column's own stream (2026-11-27, AMD
-// Zen 5, bench/blocks.py): long rows' products (Qwen3 4B's down, K = 9728) 1.3-1.9x faster, the others the same.
+// Bytes the float tiles prefetch ahead in each column's own stream. 32768 against 8192 (2026-11-27, AMD Zen 5,
+// bench/blocks.py, when the quantized tiles took it too): long rows' products (Qwen3 4B's down, K = 9728)
+// 1.3-1.9x faster, the others the same.
 constexpr int PREFETCH = TORNCHAT_PREFETCH;
 
 inline __attribute__((always_inline)) __m256i nibbles32(__m128i t) {  // 16 bytes -> 32 levels
@@ -1100,33 +1101,24 @@ constexpr int64_t group_bytes(int64_t T) {
          T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
 }
 
-// What the avx2 tiles' column c prefetches at group g: the tile's own bytes (COLS consecutive rows of row_bytes)
-// taken in address order, one group's worth per (g, c) in the order the tile visits them, `distance` bytes past
-// the tile's start. So a tile's prefetches are one sequential stream over memory a tile and PREFETCH_IN_ORDER
-// bytes ahead, where ahead's are COLS streams a row apart: every line is asked for at least a quarter of a tile
-// and PREFETCH_IN_ORDER bytes before it is read. 2026-11-28, AMD Zen 3, one row, two threads, from memory, the
-// two alternating call by call: the 135M's Q4_1 576 x 1536 0.74-0.77x the time, its Q8_0 head 0.90-0.93x, the
-// 1B's Q6_K head 0.82-0.85x, its Q4_K 2560 x 2048 and 16384 x 2048 0.86-0.90x, K = 8192 the same. Starting 32 KiB
-// ahead (or two tiles, if more) was 2-13% slower than this distance; a tile and 2 KiB or 8 KiB, the same.
+// What a quantized tile's column c prefetches at group g (every x86 path): the tile's own bytes (COLS consecutive
+// rows of row_bytes) taken in address order, one group's worth per (g, c) in the order the tile visits them,
+// `distance` bytes past the tile's start. So a tile's prefetches are one sequential stream over memory a tile and
+// PREFETCH_IN_ORDER bytes ahead, not COLS streams a row apart, PREFETCH bytes ahead in each (what the AVX-512
+// tiles took until 2026-11-28, tuned on a Zen 5): every line is asked for at least a quarter of a tile and
+// PREFETCH_IN_ORDER bytes before it is read. 2026-11-28, AMD Zen 3, the avx2 tiles, one row, two threads, from
+// memory, the two alternating call by call: the 135M's Q4_1 576 x 1536 0.74-0.77x the time, its Q8_0 head
+// 0.90-0.93x, the 1B's Q6_K head 0.82-0.85x, its Q4_K 2560 x 2048 and 16384 x 2048 0.86-0.90x, K = 8192 the same.
+// Starting 32 KiB ahead (or two tiles, if more) was 2-13% slower than this distance; a tile and 2 KiB or 8 KiB, the
+// same. 2026-11-28, AMD Zen 4, the AVX-512 tiles (PREFETCH ahead in each column against this), one row from
+// memory: the 1B's Q4_K 16384 x 2048 0.55x the time, its Q6_K head 0.58x, qkv and o 0.55-0.59x, K = 8192 the same
+// (at 2 and 4 rows 1.1x); the 135M's Q4_1 576 x 1536 0.55x, its Q8_0 head 0.94-1.00x; a 1B decode step 0.70x.
 constexpr int64_t PREFETCH_IN_ORDER = 4096;
 template <int64_t T>
 inline __attribute__((always_inline)) const char* ahead_in_order(const uint8_t* col, int c, int64_t g,
                                                                  int64_t row_bytes) {
   const int64_t distance = std::max<int64_t>(2 * PREFETCH_IN_ORDER, COLS * row_bytes + PREFETCH_IN_ORDER);
   return reinterpret_cast<const char*>(col - c * row_bytes + distance + (g * COLS + c) * group_bytes(T));
-}
-
-// What column col's stream reads `distance` groups after group g, there to be prefetched: past the row's end, the
-// next tile's column of the same place (a tile's COLS columns are consecutive rows of the matrix, and the next
-// tile's follow them), so that a long row's next tile is fetched as early as a short row's. distance: about
-// PREFETCH bytes of the tile's reading ahead. The AVX-512 kernels' (tuned on a Zen 5; the avx2 tiles take
-// ahead_in_order).
-template <int64_t T>
-inline __attribute__((always_inline)) const char* ahead(const uint8_t* col, int64_t g, int64_t groups,
-                                                        int64_t row_bytes) {
-  constexpr int64_t gb = group_bytes(T), distance = std::max<int64_t>(1, PREFETCH / (COLS * gb));
-  const int64_t later = g + distance;
-  return reinterpret_cast<const char*>(later < groups ? col + later * gb : col + COLS * row_bytes + (later - groups) * gb);
 }
 
 // Four vectors whose 128-bit halves are Q4 blocks' 16 bytes of nibbles (features 4t.. in dword t's low nibbles,
@@ -1481,7 +1473,7 @@ inline __attribute__((always_inline)) void q4_pair(const uint8_t* row0, const ui
 // of 8 dependent steps. The fp32 operations are quant_group's, per lane.
 template <int64_t T, int R, int NJ>
 inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* w, int64_t g, int nj, const RowPtrs* x,
-                                                          __m512 (*acc)[COLS / 2], int64_t groups, int64_t row_bytes) {
+                                                          __m512 (*acc)[COLS / 2], int64_t row_bytes) {
   constexpr int sh = offset_shift(T);
   if (NJ) nj = NJ;
   __m512 ws2[2], wm2[2], lo2[2], hi2[2];
@@ -1490,7 +1482,7 @@ inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* 
   for (int p = 0; p < COLS / 2; ++p) {
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const char* next = ahead<T>(w[2 * p + h], g, groups, row_bytes);
+      const char* next = ahead_in_order<T>(w[2 * p + h], 2 * p + h, g, row_bytes);
       for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     }
     if constexpr (T == Q4_0 || T == Q4_1) {
@@ -1602,7 +1594,7 @@ inline __attribute__((always_inline)) __m512i pair_levels(const uint8_t* row, in
 template <int64_t T, int NJ>
 inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const* w, int64_t g, int nj,
                                                            const int8_t* q, const RowPtrs& x, __m256* acc,
-                                                           int64_t groups, int64_t row_bytes) {
+                                                           int64_t row_bytes) {
   constexpr int sh = offset_shift(T);
   if (NJ) nj = NJ;
   // lanes (block 2i + e, first or second 16 features) of the folded sums -> [first 16 of blocks 0..7 | second 16]
@@ -1610,7 +1602,7 @@ inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const*
   const __m256 d = _mm256_loadu_ps(x.d + g * 8);
 #pragma GCC unroll 4
   for (int c = 0; c < COLS; ++c) {
-    const char* next = ahead<T>(w[c], g, groups, row_bytes);
+    const char* next = ahead_in_order<T>(w[c], c, g, row_bytes);
     for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
     __m256 ws, wm, lo, hi;
     meta<T, false>(w[c], g, nj, ws, wm, lo, hi);
@@ -1767,20 +1759,19 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
   const int64_t full = jb.nb / 8;
   __m256 acc[R][C];
 #if PASS_VNNI == 2
-  const int64_t groups = (jb.nb + 7) / 8;  // ahead's
   if constexpr (R == 1 && T != Q4_0 && T != Q4_1) {  // one row: its blocks in their own order (quant_group_row)
     const int8_t* q = a.q.data() + rows[0] * a.k;
     for (int c = 0; c < C; ++c) acc[0][c] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < full; ++g) quant_group_row<T, 8>(w, g, 8, q, x[0], acc[0], groups, jb.row_bytes);
-    if (jb.nb % 8) quant_group_row<T, 0>(w, full, static_cast<int>(jb.nb % 8), q, x[0], acc[0], groups, jb.row_bytes);
+    for (int64_t g = 0; g < full; ++g) quant_group_row<T, 8>(w, g, 8, q, x[0], acc[0], jb.row_bytes);
+    if (jb.nb % 8) quant_group_row<T, 0>(w, full, static_cast<int>(jb.nb % 8), q, x[0], acc[0], jb.row_bytes);
     for (int c = 0; c < C; ++c) out[c][0] = lanes8(acc[0][c]);
     return;
   }
   __m512 acc2[R][C / 2];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < C / 2; ++p) acc2[r][p] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < full; ++g) quant_group512<T, R, 8>(w, g, 8, x, acc2, groups, jb.row_bytes);
-  if (jb.nb % 8) quant_group512<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc2, groups, jb.row_bytes);
+  for (int64_t g = 0; g < full; ++g) quant_group512<T, R, 8>(w, g, 8, x, acc2, jb.row_bytes);
+  if (jb.nb % 8) quant_group512<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc2, jb.row_bytes);
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < C / 2; ++p) {
       acc[r][2 * p] = _mm512_castps512_ps256(acc2[r][p]);
