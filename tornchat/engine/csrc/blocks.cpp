@@ -1112,7 +1112,7 @@ constexpr int64_t group_bytes(int64_t T) {
 // Starting 32 KiB ahead (or two tiles, if more) was 2-13% slower than this distance; a tile and 2 KiB or 8 KiB, the
 // same. 2026-11-28, AMD Zen 4, the AVX-512 tiles (PREFETCH ahead in each column against this), one row from
 // memory: the 1B's Q4_K 16384 x 2048 0.55x the time, its Q6_K head 0.58x, qkv and o 0.55-0.59x, K = 8192 the same
-// (at 2 and 4 rows 1.1x); the 135M's Q4_1 576 x 1536 0.55x, its Q8_0 head 0.94-1.00x; a 1B decode step 0.70x.
+// (at 2 and 4 rows 1.1x the time, slower); the 135M's Q4_1 576 x 1536 0.55x, its Q8_0 head 0.94-1.00x; a 1B decode step 0.70x.
 constexpr int64_t PREFETCH_IN_ORDER = 4096;
 template <int64_t T>
 inline __attribute__((always_inline)) const char* ahead_in_order(const uint8_t* col, int c, int64_t g,
