@@ -48,7 +48,7 @@
 // from PANEL_ROWS rows (a prefill chunk) the columns are unpacked once into panels of 16 that one VPDPBUSD
 // takes against a row's broadcast activations (vnni_columns); the avx2 path does the same from AVX2_PANEL_ROWS
 // rows with panels of 8 columns and VPMADDUBSW (avx2_columns). The tiles prefetch their weights in address
-// order, a tile and PREFETCH_IN_ORDER bytes ahead (ahead_in_order); the float tiles PREFETCH bytes ahead in each
+// order, a tile and PREFETCH_IN_ORDER bytes ahead (prefetch_in_order); the float tiles PREFETCH bytes ahead in each
 // column.
 // On the avx2 and avxvnni paths Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows are best given grouped (blocks.h group_blocks): each
 // whole group's levels stored in the transposed steps, so the tiles load them (grouped_steps); the AVX-512 paths
@@ -1101,7 +1101,7 @@ constexpr int64_t group_bytes(int64_t T) {
          T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
 }
 
-// What a quantized tile's column c prefetches at group g (every x86 path): the tile's own bytes (COLS consecutive
+// What a quantized tile's column c prefetches at group g (every x86 path), and asks for: the tile's own bytes (COLS consecutive
 // rows of row_bytes) taken in address order, one group's worth per (g, c) in the order the tile visits them,
 // `distance` bytes past the tile's start. So a tile's prefetches are one sequential stream over memory a tile and
 // PREFETCH_IN_ORDER bytes ahead, not COLS streams a row apart, PREFETCH bytes ahead in each (what the AVX-512
@@ -1115,10 +1115,10 @@ constexpr int64_t group_bytes(int64_t T) {
 // (at 2 and 4 rows 1.1x the time, slower); the 135M's Q4_1 576 x 1536 0.55x, its Q8_0 head 0.94-1.00x; a 1B decode step 0.70x.
 constexpr int64_t PREFETCH_IN_ORDER = 4096;
 template <int64_t T>
-inline __attribute__((always_inline)) const char* ahead_in_order(const uint8_t* col, int c, int64_t g,
-                                                                 int64_t row_bytes) {
+inline __attribute__((always_inline)) void prefetch_in_order(const uint8_t* col, int c, int64_t g, int64_t row_bytes) {
   const int64_t distance = std::max<int64_t>(2 * PREFETCH_IN_ORDER, COLS * row_bytes + PREFETCH_IN_ORDER);
-  return reinterpret_cast<const char*>(col - c * row_bytes + distance + (g * COLS + c) * group_bytes(T));
+  const char* next = reinterpret_cast<const char*>(col - c * row_bytes + distance + (g * COLS + c) * group_bytes(T));
+  for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
 }
 
 // Four vectors whose 128-bit halves are Q4 blocks' 16 bytes of nibbles (features 4t.. in dword t's low nibbles,
@@ -1277,8 +1277,7 @@ inline __attribute__((always_inline)) void quant_group(const uint8_t* const* w, 
   static_assert(!TAIL || !k_quant(T), "the K-quants' groups are whole super-blocks");
   if (!TAIL) nj = 8;
   for (int c = 0; c < COLS; ++c) {
-    const char* next = ahead_in_order<T>(w[c], c, g, row_bytes);
-    for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    prefetch_in_order<T>(w[c], c, g, row_bytes);
     __m256 ws, wm, lo, hi;
     __m256i v[8];
     if constexpr (G && !TAIL) {
@@ -1482,8 +1481,7 @@ inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* 
   for (int p = 0; p < COLS / 2; ++p) {
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
-      const char* next = ahead_in_order<T>(w[2 * p + h], 2 * p + h, g, row_bytes);
-      for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+      prefetch_in_order<T>(w[2 * p + h], 2 * p + h, g, row_bytes);
     }
     if constexpr (T == Q4_0 || T == Q4_1) {
       q4_pair<T>(w[2 * p], w[2 * p + 1], g, nj, ws2[p], wm2[p], v[p]);
@@ -1602,8 +1600,7 @@ inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const*
   const __m256 d = _mm256_loadu_ps(x.d + g * 8);
 #pragma GCC unroll 4
   for (int c = 0; c < COLS; ++c) {
-    const char* next = ahead_in_order<T>(w[c], c, g, row_bytes);
-    for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    prefetch_in_order<T>(w[c], c, g, row_bytes);
     __m256 ws, wm, lo, hi;
     meta<T, false>(w[c], g, nj, ws, wm, lo, hi);
     __m512i p[4];  // pair i: lanes 0-7 block 2i's 4-feature sums in feature order, lanes 8-15 block 2i + 1's
@@ -1673,8 +1670,7 @@ inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8
   // column (block j's 16 bytes: features 4t.. in dword t's low nibbles, 16 + 4t.. in its high ones)
   __m256i v[8], level[COLS];
   for (int c = 0; c < COLS; ++c) {
-    const char* next = ahead_in_order<T>(w[c], c, g, jb.row_bytes);
-    for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+    prefetch_in_order<T>(w[c], c, g, jb.row_bytes);
     const uint8_t* p = w[c] + g * 8 * at.bytes;  // grouped_scales': nj scales, nj minimums, the levels (at least
     scale16[c] = _mm_loadu_si32(p);              // 16 bytes a block): 4 bytes from either field lie within the group
     min16[c] = T == Q4_1 ? _mm_loadu_si32(p + 2 * nj) : _mm_setzero_si128();
