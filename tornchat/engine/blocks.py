@@ -28,11 +28,14 @@ except ImportError:  # gguf is optional at run time; the ids are GGML's own (ggm
 GROUPED_ID = 1000  # csrc/blocks.h: a grouped layout's id is this plus its file type's
 TYPE_IDS |= {name: GROUPED_ID + TYPE_IDS[base] for name, base in ggml.GROUPED.items()}
 TYPE_NAMES = {v: k for k, v in TYPE_IDS.items()}
-# The paths whose kernels read a Q4_0, Q4_1, Q8_0, Q4_K or Q6_K row faster in the grouped layout (ggml.group), the steps
-# they dot already in place: the 135M's products at one row 1.16x (Q4_1 layers) and 1.46x (Q8_0 head) on AVX2
-# (2026-11-28, AMD Zen 3). The AVX-512 paths put the file's blocks in their own layouts (and run a grouped row on
-# the avx2 kernels: the same bits).
-GROUPING_ISAS = ("avx2", "avxvnni")
+# The types each path reads faster in the grouped layout (ggml.group), the steps its kernels dot already in place.
+# avx2, avxvnni: all five; the 135M's products at one row 1.16x (Q4_1 layers) and 1.46x (Q8_0 head) (2026-11-28,
+# AMD Zen 3). AVX-512: the Q4 types, whose tiles otherwise transpose each group's nibbles (Q4_K's 1B products at
+# 2 and 4 rows 0.83x and 0.86x the time, the same at one row; 4-row steps 0.89x the time at 135M, 0.90-0.96x at 1B);
+# not Q6_K and Q8_0, which one row reads faster in the file's layout (quant_group_row: the 1B's Q6_K head 0.82x
+# the time). 2026-11-29, AMD Zen 4 (docs/performance.md).
+_Q4 = ("Q4_0", "Q4_1", "Q4_K")
+GROUPING = {"avx2": _Q4 + ("Q8_0", "Q6_K"), "avxvnni": _Q4 + ("Q8_0", "Q6_K"), "avx512vnni": _Q4, "amx": _Q4}
 QK = 32  # features per activation block
 
 
@@ -70,7 +73,7 @@ def grouped_type(type_name: str, isa: str = "") -> str:
     """The type path ``isa`` (default ``isa()``) reads type_name's rows in: its grouped layout (``ggml.group``)
     where that path reads it faster, else type_name itself."""
     grouped = type_name + "_G8"
-    if grouped in ggml.GROUPED and available() and (isa or _native().block_isa()) in GROUPING_ISAS:
+    if grouped in ggml.GROUPED and available() and type_name in GROUPING.get(isa or _native().block_isa(), ()):
         return grouped
     return type_name
 

@@ -50,10 +50,12 @@
 // rows with panels of 8 columns and VPMADDUBSW (avx2_columns). The tiles prefetch their weights in address
 // order, a tile and PREFETCH_IN_ORDER bytes ahead (prefetch_in_order); the float tiles PREFETCH bytes ahead in each
 // column.
-// On the avx2 and avxvnni paths Q4_0, Q4_1, Q8_0, Q4_K and Q6_K rows are best given grouped (blocks.h group_blocks): each
-// whole group's levels stored in the transposed steps, so the tiles load them (grouped_steps); the AVX-512 paths
-// run a grouped row on the avx2 kernels, whose operations are theirs. There a short last group of one or two
-// blocks (K = 576: 18 blocks) is taken for a tile's 4 columns at once, as one transposed group (short_tail).
+// Rows may come grouped (blocks.h group_blocks): each whole group's levels stored in the transposed steps, so the
+// tiles load them (grouped_steps; AVX-512: grouped_pair) and the panels pack them as loaded. Which types a path
+// takes grouped is blocks.py's GROUPING (avx2, avxvnni: all five; AVX-512: the Q4 types, as its one-row kernel
+// reads Q6_K and Q8_0 faster in the file's layout); every path computes either layout. On the avx2 paths a short
+// last group of one or two blocks (K = 576: 18 blocks) is taken for a tile's 4 columns at once, as one
+// transposed group (short_tail).
 // The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
 // 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same panels), so it too gives the
 // same bits; block_isas() lists it first where the CPU and the kernel (arch_prctl ARCH_REQ_XCOMP_PERM) allow
@@ -716,10 +718,7 @@ at::Tensor block_mm(const at::Tensor& x, const BlockMatrix& w, at::Tensor out) {
       switch (isa) {
 #ifdef TORNCHAT_X86
         case Isa::amx:
-        case Isa::avx512vnni:  // the grouped layouts are the avx2 kernels' (the same bits on every path)
-          if (jb.grouped) avx2_path::run(jb, c0, c1);
-          else avx512vnni_path::run(jb, c0, c1);
-          break;
+        case Isa::avx512vnni: avx512vnni_path::run(jb, c0, c1); break;
         case Isa::avxvnni: avxvnni_path::run(jb, c0, c1); break;
         case Isa::avx2: avx2_path::run(jb, c0, c1); break;
 #endif
@@ -1183,15 +1182,14 @@ inline __attribute__((always_inline)) const uint8_t* grouped_scales(const uint8_
   }
 }
 
-// A whole group g of a grouped row: its scales (grouped_scales) and its levels already in the transposed steps
-// (quant_group's v): loads, where the file's layout takes q4_steps' transposes or transpose8 and a gather.
+// A whole group of a grouped row: its levels already in the transposed steps (quant_group's v), from where
+// grouped_scales says they start (grouped_steps: with its scales): loads, where the file's layout takes
+// q4_steps' transposes or transpose8 and a gather.
 // 2026-11-28, AMD Zen 3, 2 threads: the 135M's Q4_1 layers at 1, 2 and 4 rows 1.16x, 1.15x, 1.14x as fast, its
 // Q8_0 head 1.46x, 1.28x, 1.23x (the head at one row then reads 36 GB/s), the 1B's layers (Q4_K grouped) 1.17x,
 // 1.22x, 1.11x.
 template <int64_t T>
-inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int64_t g, __m256i* v, __m256& ws, __m256& wm,
-                                                         __m256& lo, __m256& hi) {
-  const uint8_t* steps = grouped_scales<T>(row, g, 8, ws, wm, lo, hi);
+inline __attribute__((always_inline)) void unpack_steps(const uint8_t* steps, __m256i* v) {
   if constexpr (T == Q8_0) {
     for (int t = 0; t < 8; ++t) v[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(steps + 32 * t));
   } else {
@@ -1212,11 +1210,20 @@ inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int
   }
 }
 
-// Block j of a grouped row's whole group g as levels<T> gives it (the Q4 types; the panels' packing).
+template <int64_t T>
+inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int64_t g, __m256i* v, __m256& ws, __m256& wm,
+                                                         __m256& lo, __m256& hi) {
+  unpack_steps<T>(grouped_scales<T>(row, g, 8, ws, wm, lo, hi), v);
+}
+
+// Block j of a grouped row's whole group g as levels<T> gives it (the panels' packing).
 template <int64_t T>
 inline __attribute__((always_inline)) __m256i grouped_levels(const uint8_t* row, int64_t g, int j) {
   constexpr GroupedAt at(T);
   const uint8_t* p = row + g * at.group;
+  if constexpr (T == Q8_0)
+    return _mm256_i32gather_epi32(reinterpret_cast<const int*>(p + at.levels_at + 4 * j),
+                                  _mm256_setr_epi32(0, 32, 64, 96, 128, 160, 192, 224), 1);
   const __m256i low = nibbles32(_mm_i32gather_epi32(reinterpret_cast<const int*>(p + at.levels_at + 4 * j),
                                                     _mm_setr_epi32(0, 32, 64, 96), 1));
   if constexpr (T != Q6_K) return low;
@@ -1466,11 +1473,45 @@ inline __attribute__((always_inline)) void q4_pair(const uint8_t* row0, const ui
   }
 }
 
-// Group g for R rows and the tile's 4 columns: the two column pairs' levels are unpacked and transposed first,
-// then each row loads its activations once per step for both pairs, and sums each half of its blocks (features
-// 0-15, 16-31) in its own chain, added at the end (exact int32): two chains in flight per pair, not one chain
-// of 8 dependent steps. The fp32 operations are quant_group's, per lane.
-template <int64_t T, int R, int NJ>
+// Two grouped rows' group g (group_blocks) in transpose8x2's layout, with their scales as meta2 gives them: a
+// whole group's levels as they are stored (unpack_steps), a short one's (nj < 8, the 32-block types) block by
+// block and transposed here, as the file's are. The same levels and values as the file's layout: the same bits.
+template <int64_t T, int NJ>
+inline __attribute__((always_inline)) void grouped_pair(const uint8_t* row0, const uint8_t* row1, int64_t g, int nj,
+                                                        __m512& ws, __m512& wm, __m512& lo, __m512& hi, __m512i* v) {
+  if (NJ) nj = NJ;
+  constexpr GroupedAt at(T);
+  const uint8_t* row[2] = {row0, row1};
+  const uint8_t* levels_at[2];
+  if constexpr (k_quant(T)) {  // the scales where the file has them
+    meta2<T>(row0, row1, g, 8, ws, wm, lo, hi);
+    for (int r = 0; r < 2; ++r) levels_at[r] = row[r] + g * at.group + at.levels_at;
+  } else {
+    __m256 s[2], m[2], unused;
+    for (int r = 0; r < 2; ++r) levels_at[r] = grouped_scales<T>(row[r], g, nj, s[r], m[r], unused, unused);
+    ws = join(s[0], s[1]), wm = join(m[0], m[1]), lo = hi = _mm512_setzero_ps();
+  }
+  __m256i u[2][8];
+  for (int r = 0; r < 2; ++r) {
+    if (NJ == 8) {
+      unpack_steps<T>(levels_at[r], u[r]);
+      continue;
+    }
+    for (int j = 0; j < 8; ++j)
+      u[r][j] = j >= nj     ? _mm256_setzero_si256()
+                : T == Q8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(levels_at[r] + 32 * j))
+                            : nibbles32(levels_at[r] + 16 * j);
+  }
+  for (int t = 0; t < 8; ++t) v[t] = join(u[0][t], u[1][t]);
+  if (NJ != 8) transpose8x2(v);
+}
+
+// Group g for R rows and the tile's 4 columns: the two column pairs' levels are unpacked and transposed first
+// (G: grouped rows, their levels stored transposed: grouped_pair), then each row loads its activations once
+// per step for both pairs, and sums each half of its blocks (features 0-15, 16-31) in its own chain, added at
+// the end (exact int32): two chains in flight per pair, not one chain of 8 dependent steps. The fp32
+// operations are quant_group's, per lane.
+template <int64_t T, int R, int NJ, bool G>
 inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* w, int64_t g, int nj, const RowPtrs* x,
                                                           __m512 (*acc)[COLS / 2], int64_t row_bytes) {
   constexpr int sh = offset_shift(T);
@@ -1483,16 +1524,18 @@ inline __attribute__((always_inline)) void quant_group512(const uint8_t* const* 
     for (int h = 0; h < 2; ++h) {
       prefetch_in_order<T>(w[2 * p + h], 2 * p + h, g, row_bytes);
     }
-    if constexpr (T == Q4_0 || T == Q4_1) {
+    if constexpr (G) {
+      grouped_pair<T, NJ>(w[2 * p], w[2 * p + 1], g, nj, ws2[p], wm2[p], lo2[p], hi2[p], v[p]);
+    } else if constexpr (T == Q4_0 || T == Q4_1) {
       q4_pair<T>(w[2 * p], w[2 * p + 1], g, nj, ws2[p], wm2[p], v[p]);
       lo2[p] = hi2[p] = _mm512_setzero_ps();
-      continue;
-    }
-    meta2<T>(w[2 * p], w[2 * p + 1], g, nj, ws2[p], wm2[p], lo2[p], hi2[p]);
+    } else {
+      meta2<T>(w[2 * p], w[2 * p + 1], g, nj, ws2[p], wm2[p], lo2[p], hi2[p]);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j)
-      v[p][j] = j < nj ? join(levels<T>(w[2 * p], g, j), levels<T>(w[2 * p + 1], g, j)) : _mm512_setzero_si512();
-    transpose8x2(v[p]);
+      for (int j = 0; j < 8; ++j)
+        v[p][j] = j < nj ? join(levels<T>(w[2 * p], g, j), levels<T>(w[2 * p + 1], g, j)) : _mm512_setzero_si512();
+      transpose8x2(v[p]);
+    }
     if constexpr (T == Q8_0)
       for (int t = 0; t < 8; ++t) v[p][t] = _mm512_xor_si512(v[p][t], _mm512_set1_epi8(static_cast<char>(0x80)));
   }
@@ -1755,7 +1798,7 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
   const int64_t full = jb.nb / 8;
   __m256 acc[R][C];
 #if PASS_VNNI == 2
-  if constexpr (R == 1 && T != Q4_0 && T != Q4_1) {  // one row: its blocks in their own order (quant_group_row)
+  if constexpr (R == 1 && T != Q4_0 && T != Q4_1 && !G) {  // one row: its blocks in their own order (quant_group_row)
     const int8_t* q = a.q.data() + rows[0] * a.k;
     for (int c = 0; c < C; ++c) acc[0][c] = _mm256_setzero_ps();
     for (int64_t g = 0; g < full; ++g) quant_group_row<T, 8>(w, g, 8, q, x[0], acc[0], jb.row_bytes);
@@ -1766,8 +1809,8 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
   __m512 acc2[R][C / 2];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < C / 2; ++p) acc2[r][p] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < full; ++g) quant_group512<T, R, 8>(w, g, 8, x, acc2, jb.row_bytes);
-  if (jb.nb % 8) quant_group512<T, R, 0>(w, full, static_cast<int>(jb.nb % 8), x, acc2, jb.row_bytes);
+  for (int64_t g = 0; g < full; ++g) quant_group512<T, R, 8, G>(w, g, 8, x, acc2, jb.row_bytes);
+  if (jb.nb % 8) quant_group512<T, R, 0, G>(w, full, static_cast<int>(jb.nb % 8), x, acc2, jb.row_bytes);
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < C / 2; ++p) {
       acc[r][2 * p] = _mm512_castps512_ps256(acc2[r][p]);
@@ -1836,8 +1879,8 @@ void tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* co
 // layout a VPDPBUSD over 16 columns takes, and the blocks in the order vnni_columns reads them (lane j's blocks
 // j, j + 8, ... one after another: slot j * groups + g, groups * 8 slots a panel), so that the block it
 // prefetches is the next one in memory; else levels as [column][32 features], the layout AMX tiles take, in
-// order of b.
-template <int64_t T>
+// order of b. G: the columns' rows are grouped (group_blocks).
+template <int64_t T, bool G>
 void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& levels16, std::vector<float>& scales,
                  bool by_step) {
   const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16, groups = (nb + 7) / 8, slots = by_step ? groups * 8 : nb;
@@ -1854,10 +1897,16 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
       const int nj = static_cast<int>(std::min<int64_t>(8, nb - g * 8));
       const auto slot = [&](int j) { return by_step ? j * groups + g : g * 8 + j; };
       __m512i first[8], second[8];  // ws, wm (Q6_K: lo, hi)
+      const uint8_t* grouped_levels_at[16];  // grouped: where each column's group keeps its levels
       for (int i = 0; i < 8; ++i) {
         __m256 a[4], b[4];
-        meta<T>(w[i], g, nj, a[0], a[1], a[2], a[3]);
-        meta<T>(w[i + 8], g, nj, b[0], b[1], b[2], b[3]);
+        if constexpr (G) {
+          grouped_levels_at[i] = grouped_scales<T>(w[i], g, nj, a[0], a[1], a[2], a[3]);
+          grouped_levels_at[i + 8] = grouped_scales<T>(w[i + 8], g, nj, b[0], b[1], b[2], b[3]);
+        } else {
+          meta<T>(w[i], g, nj, a[0], a[1], a[2], a[3]);
+          meta<T>(w[i + 8], g, nj, b[0], b[1], b[2], b[3]);
+        }
         constexpr int f = T == Q6_K ? 2 : 0;
         first[i] = _mm512_castps_si512(join(a[f], b[f]));
         second[i] = _mm512_castps_si512(join(a[f + 1], b[f + 1]));
@@ -1868,10 +1917,30 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
         _mm512_storeu_si512(sc16 + slot(j) * 32, first[j]);
         _mm512_storeu_si512(sc16 + slot(j) * 32 + 16, second[j]);
       }
+      if constexpr (G) {
+        if (by_step && nj == 8) {  // the steps as stored: column i's step t of the 8 blocks in one load
+          __m256i steps[16][8];
+          for (int i = 0; i < 16; ++i) unpack_steps<T>(grouped_levels_at[i], steps[i]);
+          for (int t = 0; t < 8; ++t) {
+            __m512i v[8];
+            for (int i = 0; i < 8; ++i) v[i] = join(steps[i][t], steps[i + 8][t]);
+            transpose8x2(v);  // v[j]: block j's step t of columns 0 .. 15
+            for (int j = 0; j < 8; ++j) {
+              if constexpr (T == Q8_0) v[j] = _mm512_xor_si512(v[j], _mm512_set1_epi8(static_cast<char>(0x80)));
+              _mm512_storeu_si512(lv16 + slot(j) * 512 + 64 * t, v[j]);
+            }
+          }
+          continue;
+        }
+      }
       for (int j = 0; j < nj; ++j) {
         uint8_t* block = lv16 + slot(j) * 512;
         const auto unsigned_levels = [&](int i) {
-          __m256i v = levels<T>(w[i], g, j);
+          __m256i v;  // a grouped short group's levels: block after block
+          if constexpr (!G) v = levels<T>(w[i], g, j);
+          else if (nj == 8) v = grouped_levels<T>(w[i], g, j);
+          else if constexpr (T == Q8_0) v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grouped_levels_at[i] + 32 * j));
+          else v = nibbles32(grouped_levels_at[i] + 16 * j);
           return T == Q8_0 ? _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))) : v;
         };
         if (by_step) {
@@ -1898,7 +1967,7 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
 // chains of 4 VPDPBUSD, added (exact int32), not one of 8. 2026-11-27, AMD Zen 5, against 8-row tiles with
 // row pointers and a chain of 8: Q4_K products 1.07-1.12x faster, Q6_K 1.20-1.24x; a 1B's 512-row prefill
 // chunk 0.91x the time, Qwen3 4B's 0.90x (docs/performance.md).
-template <int64_t T>
+template <int64_t T, bool G>
 void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
   const Acts& a = *jb.a;
   const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16, groups = (nb + 7) / 8;
@@ -1906,7 +1975,7 @@ void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
   const int32_t *start = tile_start<T>(a), *start2 = a.tile_second5.data();
   thread_local std::vector<uint8_t> levels16;
   thread_local std::vector<float> scales;
-  pack_panels<T>(jb, c0, c1, levels16, scales, true);
+  pack_panels<T, G>(jb, c0, c1, levels16, scales, true);
   alignas(64) float result[8][16][16];  // [lane j][row][column]
   for (int64_t r0 = 0; r0 < rows16; r0 += 16)
     for (int64_t p = 0; p < panels; ++p) {
@@ -2086,7 +2155,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-template <int64_t T>
+template <int64_t T, bool G>
 AMX_TARGET void amx_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
   const Acts& a = *jb.a;
   const int64_t nb = jb.nb;
@@ -2094,7 +2163,7 @@ AMX_TARGET void amx_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows1
   const int64_t panels = (c1 - c0 + 15) / 16;
   thread_local std::vector<uint8_t> levels16;  // per panel of 16 columns and block: 16 columns x 32 levels
   thread_local std::vector<float> scales;  // per panel and block: ws, wm (Q6_K: lo, hi) of each column
-  pack_panels<T>(jb, c0, c1, levels16, scales, false);
+  pack_panels<T, G>(jb, c0, c1, levels16, scales, false);
   // TDPBUSD: a dots tile [16 columns][16 rows] int32 (from zero; the rows' -offset * sums are added in the
   // fp32 loop) += a levels tile (unsigned: [16 columns][32 or 16 features]) times an
   // activations tile (signed: [features / 4][16 rows x 4 features]). Blocks go through a ring of NT turns,
@@ -2210,7 +2279,7 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
   if constexpr (!is_float(T)) {
     if (jb.amx && nrows >= 16) {
       first_row = nrows / 16 * 16;
-      amx_columns<T>(jb, c0, c1, first_row);
+      amx_columns<T, G>(jb, c0, c1, first_row);
     }
   }
 #endif
@@ -2218,7 +2287,7 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
   if constexpr (!is_float(T)) {
     if (!jb.amx && nrows >= PANEL_ROWS) {
       first_row = nrows / 16 * 16;
-      vnni_columns<T>(jb, c0, c1, first_row);
+      vnni_columns<T, G>(jb, c0, c1, first_row);
     }
   }
 #endif
@@ -2265,7 +2334,6 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
 }
 
 void run(const Job& jb, int64_t c0, int64_t c1) {
-#if PASS_VNNI < 2
   if (jb.grouped) {
     switch (jb.type) {
       case Q4_0: return run_type<Q4_0, true>(jb, c0, c1);
@@ -2275,7 +2343,6 @@ void run(const Job& jb, int64_t c0, int64_t c1) {
       default: return run_type<Q8_0, true>(jb, c0, c1);
     }
   }
-#endif
   switch (jb.type) {
     case Q4_0: return run_type<Q4_0>(jb, c0, c1);
     case Q4_1: return run_type<Q4_1>(jb, c0, c1);
