@@ -48,8 +48,8 @@
 // from PANEL_ROWS rows (a prefill chunk) the columns are unpacked once into panels of 16 that one VPDPBUSD
 // takes against a row's broadcast activations (vnni_columns); the avx2 path does the same from AVX2_PANEL_ROWS
 // rows with panels of 8 columns and VPMADDUBSW (avx2_columns). The tiles prefetch their weights in address
-// order, a tile and PREFETCH_IN_ORDER bytes ahead (prefetch_in_order); the float tiles PREFETCH bytes ahead in each
-// column.
+// order, a tile and PREFETCH_IN_ORDER bytes ahead (prefetch_in_order; to L2 past IN_L1_AHEAD); the float tiles
+// PREFETCH bytes ahead in each column.
 // Rows may come grouped (blocks.h group_blocks): each whole group's levels stored in the transposed steps, so the
 // tiles load them (grouped_steps; AVX-512: grouped_pair) and the panels pack them as loaded. Which types a path
 // takes grouped is blocks.py's GROUPING (avx2, avxvnni: all five; AVX-512: the Q4 types, as its one-row kernel
@@ -1112,12 +1112,21 @@ constexpr int64_t group_bytes(int64_t T) {
 // same. 2026-11-28, AMD Zen 4, the AVX-512 tiles (PREFETCH ahead in each column against this), one row from
 // memory: the 1B's Q4_K 16384 x 2048 0.55x the time, its Q6_K head 0.58x, qkv and o 0.55-0.59x, K = 8192 the same
 // (at 2 and 4 rows 1.1x the time, slower); the 135M's Q4_1 576 x 1536 0.55x, its Q8_0 head 0.94-1.00x; a 1B decode step 0.70x.
-constexpr int64_t PREFETCH_IN_ORDER = 4096;
+// Lines asked for further ahead than IN_L1_AHEAD go to L2 (PREFETCHT1), not L1: a tile of rows longer than about
+// 3 KB (K = 8192) asks for its lines more than 16 KB ahead, which with the activations overfill a 32 KB L1, so they
+// were evicted before use. 2026-11-29, AMD Zen 4, from memory, alternating processes: the 1B's K = 8192 products
+// at one row 0.67x the time (Q4_K) and 0.70x (Q6_K) on the AVX-512 tiles, 0.70-0.80x and 0.76-0.84x on the avx2
+// ones, 0.7x at 4 rows on AVX-512; the 1B's one-row steps 0.92-0.93x (in one process, the two alternating). To L2
+// at every distance, the K = 2048 products were 5-10% slower.
+constexpr int64_t PREFETCH_IN_ORDER = 4096, IN_L1_AHEAD = 16384;
 template <int64_t T>
 inline __attribute__((always_inline)) void prefetch_in_order(const uint8_t* col, int c, int64_t g, int64_t row_bytes) {
   const int64_t distance = std::max<int64_t>(2 * PREFETCH_IN_ORDER, COLS * row_bytes + PREFETCH_IN_ORDER);
   const char* next = reinterpret_cast<const char*>(col - c * row_bytes + distance + (g * COLS + c) * group_bytes(T));
-  for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+  if (distance <= IN_L1_AHEAD)
+    for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+  else
+    for (int off = 0; off < group_bytes(T); off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
 }
 
 // Four vectors whose 128-bit halves are Q4 blocks' 16 bytes of nibbles (features 4t.. in dword t's low nibbles,
