@@ -7,7 +7,11 @@ phases and the ratio with them. Here tornchat (its defaults) and llama-server
 take turns, a fresh server each round, on the same file and threads, each
 decoding e2e's short workload (3 topics, 128 greedy tokens, streamed through
 the openai SDK); each round's ratio compares neighbours in time, and the
-median over rounds is the figure to report.
+median over rounds is the figure to report. Each round also measures the
+machine's read bandwidth (a torch sum over 1 GiB, as bench/blocks.py) and
+gives tornchat's decode rate as a share of it: the bytes a token reads
+(``token_bytes``) times tokens/s, over that bandwidth. A dense model's
+figure: a mixture of experts reads only its chosen experts.
 
     python -m bench.decode_rounds [--checkpoint-path FILE.gguf] [--rounds 4] [--threads 2] [--speculate none]
                                   [--context 4000]
@@ -21,8 +25,10 @@ import statistics
 from collections.abc import Callable
 
 import openai
+import torch
 
 from bench import e2e, servers, workloads
+from bench.blocks import bandwidth
 from bench.common import free_port
 from tornchat import checkpoint
 from tornchat.engine.cpu import describe
@@ -47,6 +53,20 @@ def decode_rate(make_system: Callable[[int], e2e.System], threads: int, tokenize
     return statistics.median(rates)
 
 
+def token_bytes(file: gguf_file.GGUFFile, tokenizer, context: int) -> float:
+    """What one decode step reads, in bytes: every matrix (the token embedding only where the head is its own
+    tensor: then a token reads one row of it) and the KV cache at the short workload's reply's middle, 2 bytes a
+    value (tornchat's bf16 cache, llama-server's f16)."""
+    tensors = file.tensors
+    weights = sum(t.nbytes for name, t in tensors.items()
+                  if name != "token_embd.weight" or "output.weight" not in tensors)
+    config = gguf_file.config_of(file)
+    prompt = len(tokenizer.encode(" ".join(m["content"] for m in workloads.short_messages(0)))) + context
+    positions = prompt + workloads.FULL.short_max_tokens / 2
+    kv = int(file.meta("block_count")) * 2 * config.kv_heads * config.head_dim * 2 * positions
+    return weights + kv
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4)
@@ -58,7 +78,10 @@ def main() -> None:
     llama_server = e2e.find_llama_server(args.llama_server)
     if problem := e2e.llama_server_problem(llama_server):
         raise SystemExit(problem)
-    tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(model))  # the header only, as bench/e2e.py
+    file = gguf_file.GGUFFile(model)  # the header only, as bench/e2e.py
+    tokenizer = checkpoint.tokenizer_from_gguf(file)
+    per_token = token_bytes(file, tokenizer, args.context)
+    torch.set_num_threads(args.threads)
     print(f"CPU: {describe()}; {args.threads} threads; {model.name}; tornchat --speculate {args.speculate or 'default'}; llama-server "
           f"{e2e.llama_server_version(llama_server)}" + (f"; about {args.context} tokens of context" if args.context else ""))
 
@@ -69,16 +92,22 @@ def main() -> None:
         return system
 
     context = max(4096, args.context + 1024)  # llama-server's -c: the notes, the question and the reply
-    print("| round | tornchat tok/s | llama-server tok/s | ratio |\n|---|---|---|---|")
-    ratios = []
+    print(f"a token reads about {per_token / 1e9:.3f} GB")
+    print("| round | tornchat tok/s | llama-server tok/s | ratio | read GB/s | tornchat of it | llama-server of it |\n"
+          "|---|---|---|---|---|---|---|")
+    ratios, shares = [], []
     for round_ in range(1, args.rounds + 1):
+        read = bandwidth()
         ours = decode_rate(tornchat, args.threads, tokenizer, args.context)
         theirs = decode_rate(lambda port: e2e.llamacpp_system(args.threads, port, model, llama_server, context), args.threads,
                              tokenizer, args.context)
         ratios.append(ours / theirs)
-        print(f"| {round_} | {ours:.1f} | {theirs:.1f} | {ratios[-1]:.2f}x |", flush=True)
+        shares.append(ours * per_token / read)
+        print(f"| {round_} | {ours:.1f} | {theirs:.1f} | {ratios[-1]:.2f}x | {read / 1e9:.1f} | {shares[-1]:.0%} | "
+              f"{theirs * per_token / read:.0%} |", flush=True)
     print(f"median ratio over {args.rounds} rounds: {statistics.median(ratios):.2f}x "
-          f"(range {min(ratios):.2f}x to {max(ratios):.2f}x)")
+          f"(range {min(ratios):.2f}x to {max(ratios):.2f}x); tornchat at {statistics.median(shares):.0%} of the "
+          f"read bandwidth (range {min(shares):.0%} to {max(shares):.0%})")
 
 
 if __name__ == "__main__":
