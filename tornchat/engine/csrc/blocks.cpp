@@ -53,9 +53,9 @@
 // Rows may come grouped (blocks.h group_blocks): each whole group's levels stored in the transposed steps, so the
 // tiles load them (grouped_steps; AVX-512: grouped_pair) and the panels pack them as loaded. Which types a path
 // takes grouped is blocks.py's GROUPING (avx2, avxvnni: all five; AVX-512: the Q4 types, as its one-row kernel
-// reads Q6_K and Q8_0 faster in the file's layout); every path computes either layout. On the avx2 paths a short
+// reads Q6_K and Q8_0 faster in the file's layout); every path computes either layout. A grouped row's short
 // last group of one or two blocks (K = 576: 18 blocks) is taken for a tile's 4 columns at once, as one
-// transposed group (short_tail).
+// transposed group (short_tail; the AVX-512 tiles too, in 256-bit vectors).
 // The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
 // 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same panels), so it too gives the
 // same bits; block_isas() lists it first where the CPU and the kernel (arch_prctl ARCH_REQ_XCOMP_PERM) allow
@@ -1697,7 +1697,6 @@ inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const*
 }
 #endif
 
-#if PASS_VNNI < 2
 // A grouped Q4_0, Q4_1 or Q8_0 row's short last group of one or two blocks (the 135M's K = 576 ends in two), for
 // the tile's 4 columns at once, and the tile's sums of 8 lanes: block j of column c takes lane 4j + c of one
 // transposed group (8 steps against Acts::tail), where each column's own took a group's fp32 work and a shuffled
@@ -1706,7 +1705,9 @@ inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const*
 // operations on every lane: the same bits. A block's lanes past nj take zero scales and activations, as
 // quant_group's TAIL's do. 2026-11-28, AMD Zen 3: the 135M's Q4_1 products, one thread, at 1, 2, 4 and 8 rows
 // 0.91-0.93x, 0.92-0.97x, 0.81-0.92x and 0.80-0.90x the time, its Q8_0 head (two threads) 0.89x at 4 rows; its
-// whole steps 0.98-0.99x at one row, 0.97-1.00x at two, 0.90-0.91x at four.
+// whole steps 0.98-0.99x at one row, 0.97-1.00x at two, 0.90-0.91x at four. The AVX-512 tiles take it too (their
+// accumulators split into these 256-bit ones): 2026-11-29, AMD Zen 4, Q4_1 49152 x 576 at 2 and 4 rows 0.87-0.95x
+// and 0.88x the time, the 135M's 4-row steps 0.93-0.99x, one row the same.
 template <int64_t T, int R>
 inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8_t* const* w, const RowPtrs* x,
                                                       const int64_t* rows, __m256 (*acc)[COLS], float* const* out) {
@@ -1792,7 +1793,6 @@ inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8
     for (int c = 0; c < COLS; ++c) out[r * COLS + c][0] = sums[c];
   }
 }
-#endif
 
 template <int64_t T, int R, bool G = false>
 void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* const* out) {
@@ -1819,12 +1819,16 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < C / 2; ++p) acc2[r][p] = _mm512_setzero_ps();
   for (int64_t g = 0; g < full; ++g) quant_group512<T, R, 8, G>(w, g, 8, x, acc2, jb.row_bytes);
-  if (jb.nb % 8) quant_group512<T, R, 0, G>(w, full, static_cast<int>(jb.nb % 8), x, acc2, jb.row_bytes);
+  constexpr bool short_tails = G && (T == Q4_0 || T == Q4_1 || T == Q8_0);
+  const bool tail_apart = short_tails && short_tail_of(jb.nb);
+  if (jb.nb % 8 && !tail_apart) quant_group512<T, R, 0, G>(w, full, static_cast<int>(jb.nb % 8), x, acc2, jb.row_bytes);
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < C / 2; ++p) {
       acc[r][2 * p] = _mm512_castps512_ps256(acc2[r][p]);
       acc[r][2 * p + 1] = _mm512_extractf32x8_ps(acc2[r][p], 1);
     }
+  if constexpr (short_tails)
+    if (tail_apart) return short_tail<T, R>(jb, w, x, rows, acc, out);
 #else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
