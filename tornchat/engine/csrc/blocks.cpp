@@ -1707,11 +1707,13 @@ inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const*
 // 0.91-0.93x, 0.92-0.97x, 0.81-0.92x and 0.80-0.90x the time, its Q8_0 head (two threads) 0.89x at 4 rows; its
 // whole steps 0.98-0.99x at one row, 0.97-1.00x at two, 0.90-0.91x at four. The AVX-512 tiles take it too (their
 // accumulators split into these 256-bit ones): 2026-11-29, AMD Zen 4, Q4_1 49152 x 576 at 2 and 4 rows 0.87-0.95x
-// and 0.88x the time, the 135M's 4-row steps 0.93-0.99x, one row the same.
-template <int64_t T, int R>
+// and 0.88x the time, the 135M's 4-row steps 0.93-0.99x, one row the same; and its Q8_0 head in the file's layout
+// (G false: the AVX-512 paths keep it so), 49152 x 576 at 2 rows 0.7-0.9x the time, at 4 rows 0.7-1.03x.
+template <int64_t T, int R, bool G = true>
 inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8_t* const* w, const RowPtrs* x,
                                                       const int64_t* rows, __m256 (*acc)[COLS], float* const* out) {
   static_assert(COLS == 4 && (T == Q4_0 || T == Q4_1 || T == Q8_0), "four columns of a 32-block type");
+  static_assert(G || T == Q8_0, "the file's layout: Q8_0's (the AVX-512 paths keep it)");
   constexpr GroupedAt at(T);
   constexpr int sh = offset_shift(T);
   const int64_t g = jb.nb / 8;
@@ -1725,7 +1727,17 @@ inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8
   for (int c = 0; c < COLS; ++c) {
     prefetch_in_order<T>(w[c], c, g, jb.row_bytes);
     const uint8_t* p = w[c] + g * 8 * at.bytes;  // grouped_scales': nj scales, nj minimums, the levels (at least
-    scale16[c] = _mm_loadu_si32(p);              // 16 bytes a block): 4 bytes from either field lie within the group
+    if constexpr (!G) {                          // 16 bytes a block): 4 bytes from either field lie within the group
+      // the file's Q8_0 blocks: 2 bytes of d, then 32 levels each
+      uint16_t d[2] = {0, 0};
+      for (int j = 0; j < nj; ++j) std::memcpy(&d[j], p + at.bytes * j, 2);
+      scale16[c] = _mm_cvtsi32_si128(static_cast<int>(d[0] | static_cast<uint32_t>(d[1]) << 16));
+      min16[c] = _mm_setzero_si128();
+      const auto block = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + at.bytes * j + 2)); };
+      v[c] = block(0), v[4 + c] = nj == 2 ? block(1) : _mm256_setzero_si256();
+      continue;
+    }
+    scale16[c] = _mm_loadu_si32(p);
     min16[c] = T == Q4_1 ? _mm_loadu_si32(p + 2 * nj) : _mm_setzero_si128();
     const uint8_t* lv = p + nj * at.head;
     const auto block = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lv + 32 * j)); };
@@ -1819,7 +1831,7 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < C / 2; ++p) acc2[r][p] = _mm512_setzero_ps();
   for (int64_t g = 0; g < full; ++g) quant_group512<T, R, 8, G>(w, g, 8, x, acc2, jb.row_bytes);
-  constexpr bool short_tails = G && (T == Q4_0 || T == Q4_1 || T == Q8_0);
+  constexpr bool short_tails = T == Q8_0 || (G && (T == Q4_0 || T == Q4_1));
   const bool tail_apart = short_tails && short_tail_of(jb.nb);
   if (jb.nb % 8 && !tail_apart) quant_group512<T, R, 0, G>(w, full, static_cast<int>(jb.nb % 8), x, acc2, jb.row_bytes);
   for (int r = 0; r < R; ++r)
@@ -1828,7 +1840,7 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
       acc[r][2 * p + 1] = _mm512_extractf32x8_ps(acc2[r][p], 1);
     }
   if constexpr (short_tails)
-    if (tail_apart) return short_tail<T, R>(jb, w, x, rows, acc, out);
+    if (tail_apart) return short_tail<T, R, G>(jb, w, x, rows, acc, out);
 #else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
