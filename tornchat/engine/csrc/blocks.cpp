@@ -1697,18 +1697,19 @@ inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const*
 }
 #endif
 
-// A grouped Q4_0, Q4_1 or Q8_0 row's short last group of one or two blocks (the 135M's K = 576 ends in two), for
-// the tile's 4 columns at once, and the tile's sums of 8 lanes: block j of column c takes lane 4j + c of one
-// transposed group (8 steps against Acts::tail), where each column's own took a group's fp32 work and a shuffled
-// sum of its lanes for a quarter of a group's bytes; then lanes 0 and 1 of the columns' accumulators are gathered
-// there for those blocks' fp32 operations, and each column's 8 lanes are summed as lanes8 sums them. The same
-// operations on every lane: the same bits. A block's lanes past nj take zero scales and activations, as
-// quant_group's TAIL's do. 2026-11-28, AMD Zen 3: the 135M's Q4_1 products, one thread, at 1, 2, 4 and 8 rows
-// 0.91-0.93x, 0.92-0.97x, 0.81-0.92x and 0.80-0.90x the time, its Q8_0 head (two threads) 0.89x at 4 rows; its
-// whole steps 0.98-0.99x at one row, 0.97-1.00x at two, 0.90-0.91x at four. The AVX-512 tiles take it too (their
-// accumulators split into these 256-bit ones): 2026-11-29, AMD Zen 4, Q4_1 49152 x 576 at 2 and 4 rows 0.87-0.95x
-// and 0.88x the time, the 135M's 4-row steps 0.93-0.99x, one row the same; and its Q8_0 head in the file's layout
-// (G false: the AVX-512 paths keep it so), 49152 x 576 at 2 rows 0.7-0.9x the time, at 4 rows 0.7-1.03x.
+// A grouped Q4_0, Q4_1 or Q8_0 row's (G; else Q8_0 in the file's layout) short last group of one or two blocks
+// (the 135M's K = 576 ends in two), for the tile's 4 columns at once, and the tile's sums of 8 lanes: block j of
+// column c takes lane 4j + c of one transposed group (8 steps against Acts::tail), where each column's own took a
+// group's fp32 work and a shuffled sum of its lanes for a quarter of a group's bytes; then lanes 0 and 1 of the
+// columns' accumulators are gathered there for those blocks' fp32 operations, and each column's 8 lanes are summed
+// as lanes8 sums them. The same operations on every lane: the same bits. A block's lanes past nj take zero scales
+// and activations, as quant_group's TAIL's do. 2026-11-28, AMD Zen 3: the 135M's Q4_1 products, one thread, at 1,
+// 2, 4 and 8 rows 0.91-0.93x, 0.92-0.97x, 0.81-0.92x and 0.80-0.90x the time, its Q8_0 head (two threads) 0.89x at
+// 4 rows; its whole steps 0.98-0.99x at one row, 0.97-1.00x at two, 0.90-0.91x at four. The AVX-512 tiles take it
+// too (their accumulators split into these 256-bit ones): 2026-11-29, AMD Zen 4, Q4_1 49152 x 576 at 2 and 4 rows
+// 0.87-0.95x and 0.88x the time, the 135M's 4-row steps 0.93-0.99x, one row the same; and its Q8_0 head in the
+// file's layout (G false: the AVX-512 paths keep it so), 49152 x 576 at 2 rows 0.7-0.9x the time, at 4 rows
+// 0.7-1.03x.
 template <int64_t T, int R, bool G = true>
 inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8_t* const* w, const RowPtrs* x,
                                                       const int64_t* rows, __m256 (*acc)[COLS], float* const* out) {
@@ -1726,9 +1727,8 @@ inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8
   __m256i v[8], level[COLS];
   for (int c = 0; c < COLS; ++c) {
     prefetch_in_order<T>(w[c], c, g, jb.row_bytes);
-    const uint8_t* p = w[c] + g * 8 * at.bytes;  // grouped_scales': nj scales, nj minimums, the levels (at least
-    if constexpr (!G) {                          // 16 bytes a block): 4 bytes from either field lie within the group
-      // the file's Q8_0 blocks: 2 bytes of d, then 32 levels each
+    const uint8_t* p = w[c] + g * 8 * at.bytes;
+    if constexpr (!G) {  // the file's Q8_0 blocks: 2 bytes of d, then 32 levels each
       uint16_t d[2] = {0, 0};
       for (int j = 0; j < nj; ++j) std::memcpy(&d[j], p + at.bytes * j, 2);
       scale16[c] = _mm_cvtsi32_si128(static_cast<int>(d[0] | static_cast<uint32_t>(d[1]) << 16));
@@ -1737,6 +1737,8 @@ inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8
       v[c] = block(0), v[4 + c] = nj == 2 ? block(1) : _mm256_setzero_si256();
       continue;
     }
+    // grouped_scales': nj scales, nj minimums, the levels (at least 16 bytes a block): 4 bytes from either field
+    // lie within the group
     scale16[c] = _mm_loadu_si32(p);
     min16[c] = T == Q4_1 ? _mm_loadu_si32(p + 2 * nj) : _mm_setzero_si128();
     const uint8_t* lv = p + nj * at.head;
