@@ -34,8 +34,8 @@ TYPE_NAMES = {v: k for k, v in TYPE_IDS.items()}
 # 2 and 4 rows 0.83x and 0.86x the time, the same at one row; 4-row steps 0.89x the time at 135M, 0.90-0.96x at 1B);
 # not Q6_K and Q8_0, which one row reads faster in the file's layout (quant_group_row: the 1B's Q6_K head 0.82x
 # the time). 2026-11-29, AMD Zen 4 (docs/performance.md).
-_Q4 = ("Q4_0", "Q4_1", "Q4_K")
-GROUPING = {"avx2": _Q4 + ("Q8_0", "Q6_K"), "avxvnni": _Q4 + ("Q8_0", "Q6_K"), "avx512vnni": _Q4, "amx": _Q4}
+_ALL, _Q4 = tuple(ggml.GROUPED.values()), ("Q4_0", "Q4_1", "Q4_K")
+GROUPING = {"avx2": _ALL, "avxvnni": _ALL, "avx512vnni": _Q4, "amx": _Q4}
 QK = 32  # features per activation block
 
 

@@ -1100,7 +1100,7 @@ constexpr int64_t group_bytes(int64_t T) {
          T == Q4_K ? 144 : T == Q5_K ? 176 : 210;
 }
 
-// What a quantized tile's column c prefetches at group g (every x86 path), and asks for: the tile's own bytes (COLS consecutive
+// What a quantized tile's column c prefetches at group g (every x86 path): the tile's own bytes (COLS consecutive
 // rows of row_bytes) taken in address order, one group's worth per (g, c) in the order the tile visits them,
 // `distance` bytes past the tile's start. So a tile's prefetches are one sequential stream over memory a tile and
 // PREFETCH_IN_ORDER bytes ahead, not COLS streams a row apart, PREFETCH bytes ahead in each (what the AVX-512
@@ -1111,7 +1111,8 @@ constexpr int64_t group_bytes(int64_t T) {
 // Starting 32 KiB ahead (or two tiles, if more) was 2-13% slower than this distance; a tile and 2 KiB or 8 KiB, the
 // same. 2026-11-28, AMD Zen 4, the AVX-512 tiles (PREFETCH ahead in each column against this), one row from
 // memory: the 1B's Q4_K 16384 x 2048 0.55x the time, its Q6_K head 0.58x, qkv and o 0.55-0.59x, K = 8192 the same
-// (at 2 and 4 rows 1.1x the time, slower); the 135M's Q4_1 576 x 1536 0.55x, its Q8_0 head 0.94-1.00x; a 1B decode step 0.70x.
+// (at 2 and 4 rows 1.1x the time, slower); the 135M's Q4_1 576 x 1536 0.55x, its Q8_0 head 0.94-1.00x; a 1B
+// decode step 0.70x.
 // Lines asked for further ahead than IN_L1_AHEAD go to L2 (PREFETCHT1), not L1: a tile of rows longer than about
 // 3 KB (K = 8192) asks for its lines more than 16 KB ahead, which with the activations overfill a 32 KB L1, so they
 // were evicted before use. 2026-11-29, AMD Zen 4, from memory, alternating processes: the 1B's K = 8192 products
@@ -1223,6 +1224,14 @@ template <int64_t T>
 inline __attribute__((always_inline)) void grouped_steps(const uint8_t* row, int64_t g, __m256i* v, __m256& ws, __m256& wm,
                                                          __m256& lo, __m256& hi) {
   unpack_steps<T>(grouped_scales<T>(row, g, 8, ws, wm, lo, hi), v);
+}
+
+// Block j of a grouped row's short last group (nj < 8 blocks of a 32-block type), whose levels lie block after
+// block from levels_at (grouped_scales) as the file has them: as levels<T> gives it.
+template <int64_t T>
+inline __attribute__((always_inline)) __m256i short_group_levels(const uint8_t* levels_at, int j) {
+  if constexpr (T == Q8_0) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(levels_at + 32 * j));
+  return nibbles32(levels_at + 16 * j);
 }
 
 // Block j of a grouped row's whole group g as levels<T> gives it (the panels' packing).
@@ -1506,10 +1515,7 @@ inline __attribute__((always_inline)) void grouped_pair(const uint8_t* row0, con
       unpack_steps<T>(levels_at[r], u[r]);
       continue;
     }
-    for (int j = 0; j < 8; ++j)
-      u[r][j] = j >= nj     ? _mm256_setzero_si256()
-                : T == Q8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(levels_at[r] + 32 * j))
-                            : nibbles32(levels_at[r] + 16 * j);
+    for (int j = 0; j < 8; ++j) u[r][j] = j < nj ? short_group_levels<T>(levels_at[r], j) : _mm256_setzero_si256();
   }
   for (int t = 0; t < 8; ++t) v[t] = join(u[0][t], u[1][t]);
   if (NJ != 8) transpose8x2(v);
@@ -1733,8 +1739,7 @@ inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8
       for (int j = 0; j < nj; ++j) std::memcpy(&d[j], p + at.bytes * j, 2);
       scale16[c] = _mm_cvtsi32_si128(static_cast<int>(d[0] | static_cast<uint32_t>(d[1]) << 16));
       min16[c] = _mm_setzero_si128();
-      const auto block = [&](int j) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + at.bytes * j + 2)); };
-      v[c] = block(0), v[4 + c] = nj == 2 ? block(1) : _mm256_setzero_si256();
+      v[c] = levels<T>(w[c], g, 0), v[4 + c] = nj == 2 ? levels<T>(w[c], g, 1) : _mm256_setzero_si256();
       continue;
     }
     // grouped_scales': nj scales, nj minimums, the levels (at least 16 bytes a block): 4 bytes from either field
@@ -1966,8 +1971,7 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
           __m256i v;  // a grouped short group's levels: block after block
           if constexpr (!G) v = levels<T>(w[i], g, j);
           else if (nj == 8) v = grouped_levels<T>(w[i], g, j);
-          else if constexpr (T == Q8_0) v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(grouped_levels_at[i] + 32 * j));
-          else v = nibbles32(grouped_levels_at[i] + 16 * j);
+          else v = short_group_levels<T>(grouped_levels_at[i], j);
           return T == Q8_0 ? _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))) : v;
         };
         if (by_step) {
