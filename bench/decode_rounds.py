@@ -95,7 +95,7 @@ def main() -> None:
     print(f"a token reads about {per_token / 1e9:.3f} GB")
     print("| round | tornchat tok/s | llama-server tok/s | ratio | read GB/s | tornchat of it | llama-server of it |\n"
           "|---|---|---|---|---|---|---|")
-    ratios, shares = [], []
+    ratios, shares, their_shares = [], [], []
     for round_ in range(1, args.rounds + 1):
         read = bandwidth()
         ours = decode_rate(tornchat, args.threads, tokenizer, args.context)
@@ -103,11 +103,13 @@ def main() -> None:
                              tokenizer, args.context)
         ratios.append(ours / theirs)
         shares.append(ours * per_token / read)
+        their_shares.append(theirs * per_token / read)
         print(f"| {round_} | {ours:.1f} | {theirs:.1f} | {ratios[-1]:.2f}x | {read / 1e9:.1f} | {shares[-1]:.0%} | "
-              f"{theirs * per_token / read:.0%} |", flush=True)
+              f"{their_shares[-1]:.0%} |", flush=True)
     print(f"median ratio over {args.rounds} rounds: {statistics.median(ratios):.2f}x "
-          f"(range {min(ratios):.2f}x to {max(ratios):.2f}x); tornchat at {statistics.median(shares):.0%} of the "
-          f"read bandwidth (range {min(shares):.0%} to {max(shares):.0%})")
+          f"(range {min(ratios):.2f}x to {max(ratios):.2f}x); of the read bandwidth, tornchat at "
+          f"{statistics.median(shares):.0%} (range {min(shares):.0%} to {max(shares):.0%}), llama-server at "
+          f"{statistics.median(their_shares):.0%} (range {min(their_shares):.0%} to {max(their_shares):.0%})")
 
 
 if __name__ == "__main__":
