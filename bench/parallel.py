@@ -11,7 +11,11 @@ the counts take turns N times on that server and the table gives medians
 (and ranges) of the rates and of each round's ratio to its own one stream:
 this machine's speed drifts by 10% from one minute to the next.
 
-    python -m bench.parallel [--checkpoint-path FILE.gguf] [--tokens 128] [--threads 2] [--rounds 1]
+    python -m bench.parallel [--checkpoint-path FILE.gguf] [--tokens 128] [--threads 2] [--rounds 1] [--speculate none]
+
+--speculate passes tornchat's option of that name: with its default a lone
+stream may verify drafts of several rows a step, which is what more streams
+share, so none gives the ratios of plain steps.
 
 Prints a markdown table; the CPU it ran on comes first.
 """
@@ -115,13 +119,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="the stream counts take turns this many times")
+    parser.add_argument("--speculate", help="tornchat's --speculate (default: its own default)")
     e2e.add_baseline_arguments(parser)
     args = parser.parse_args()
     model = args.checkpoint_path or checkpoint.default_gguf_path()
     slots = max(COUNTS)
     port = free_port()
     tornchat = e2e.tornchat_systems(args.threads, port, model)[0]
-    tornchat.command += ["--parallel", str(slots)]
+    tornchat.command += ["--parallel", str(slots)] + (["--speculate", args.speculate] if args.speculate else [])
     # -np splits -c between the slots: give each the 4096 a single slot had.
     llama = e2e.llamacpp_system(args.threads, port, model, e2e.find_llama_server(args.llama_server), 4096 * slots)
     llama.command += ["-np", str(slots)]
@@ -133,7 +138,7 @@ def main() -> int:
             continue
         results[system.name] = measure(system, port, args.threads, args.tokens, args.rounds)
     print(f"\n{model.name}, {args.tokens} new tokens a stream, greedy, {args.threads} threads, {slots} slots, "
-          f"{args.rounds} round(s): medians (ranges)\n")
+          f"tornchat --speculate {args.speculate or 'default'}, {args.rounds} round(s): medians (ranges)\n")
     print("| system | streams | tokens/s (all) | vs 1 stream | worst TTFT | equal to alone |")
     print("|---|---|---|---|---|---|")
     spread = args.rounds > 1  # ranges only where there are rounds to span
