@@ -1258,6 +1258,25 @@ struct RowPtrs {  // one row of the quantized activations
   const int8_t *q, *qt;
   const float *d, *ds;
   const int32_t *sums, *first, *second;
+  const int8_t* tail;  // short_tail's steps, where Acts::tail is filled
+};
+
+inline RowPtrs row_ptrs(const Acts& a, int64_t row) {
+  const int64_t at = row * a.nbp;
+  return RowPtrs{a.q.data() + row * a.k, a.qt.data() + at * QK, a.d.data() + at, a.ds.data() + at,
+                 a.neg_sums.data() + at, a.neg_first.data() + at, a.neg_second.data() + at,
+                 a.tail.empty() ? nullptr : a.tail.data() + row * 256};
+}
+
+// Where a tile's sums go: row r's column c at at[r * stride + c], for the first valid columns (a range's last
+// tile repeats its last column to fill its four: the repeats' sums are dropped).
+struct TileOut {
+  float* at;
+  int64_t stride;
+  int valid;
+  void put(int r, int c, float sum) const {
+    if (c < valid) at[r * stride + c] = sum;
+  }
 };
 
 // Q8_0 on AVX2: the dot of signed levels v (v_abs their absolute values) and activations x, 4 features a lane,
@@ -1718,7 +1737,7 @@ inline __attribute__((always_inline)) void quant_group_row(const uint8_t* const*
 // 0.7-1.03x.
 template <int64_t T, int R, bool G = true>
 inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8_t* const* w, const RowPtrs* x,
-                                                      const int64_t* rows, __m256 (*acc)[COLS], float* const* out) {
+                                                      __m256 (*acc)[COLS], const TileOut& out) {
   static_assert(COLS == 4 && (T == Q4_0 || T == Q4_1 || T == Q8_0), "four columns of a 32-block type");
   static_assert(G || T == Q8_0, "the file's layout: Q8_0's (the AVX-512 paths keep it)");
   constexpr GroupedAt at(T);
@@ -1777,7 +1796,7 @@ inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8
 #endif
   const __m256i by_block = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // lane 4j + c <- block j's
   for (int r = 0; r < R; ++r) {
-    const int8_t* xt = jb.a->tail.data() + rows[r] * 256;
+    const int8_t* xt = x[r].tail;
     const auto xs = [&](int t) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xt + 32 * t)); };
     __m256i sum = _mm256_setzero_si256();
     if constexpr (sh >= 0 || (T == Q8_0 && PASS_VNNI)) {
@@ -1809,29 +1828,22 @@ inline __attribute__((always_inline)) void short_tail(const Job& jb, const uint8
                              _mm256_extractf128_ps(l26, 1), _mm256_extractf128_ps(l37, 1)};
     alignas(16) float sums[COLS];
     _mm_store_ps(sums, lane_sum([&](int j) { return lanes[j]; }, [](__m128 p, __m128 q) { return _mm_add_ps(p, q); }));
-    for (int c = 0; c < COLS; ++c) out[r * COLS + c][0] = sums[c];
+    for (int c = 0; c < COLS; ++c) out.put(r, c, sums[c]);
   }
 }
 
 template <int64_t T, int R, bool G = false>
-void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* const* out) {
-  const Acts& a = *jb.a;
+void quant_tile(const Job& jb, const uint8_t* const* w, const RowPtrs* x, const TileOut& out) {
   constexpr int C = COLS;
-  RowPtrs x[R];
-  for (int r = 0; r < R; ++r) {
-    const int64_t at = rows[r] * a.nbp;
-    x[r] = RowPtrs{a.q.data() + rows[r] * a.k, a.qt.data() + at * QK, a.d.data() + at, a.ds.data() + at,
-                   a.neg_sums.data() + at, a.neg_first.data() + at, a.neg_second.data() + at};
-  }
   const int64_t full = jb.nb / 8;
   __m256 acc[R][C];
 #if PASS_VNNI == 2
   if constexpr (R == 1 && T != Q4_0 && T != Q4_1 && !G) {  // one row: its blocks in their own order (quant_group_row)
-    const int8_t* q = a.q.data() + rows[0] * a.k;
+    const int8_t* q = x[0].q;
     for (int c = 0; c < C; ++c) acc[0][c] = _mm256_setzero_ps();
     for (int64_t g = 0; g < full; ++g) quant_group_row<T, 8>(w, g, 8, q, x[0], acc[0], jb.row_bytes);
     if (jb.nb % 8) quant_group_row<T, 0>(w, full, static_cast<int>(jb.nb % 8), q, x[0], acc[0], jb.row_bytes);
-    for (int c = 0; c < C; ++c) out[c][0] = lanes8(acc[0][c]);
+    for (int c = 0; c < C; ++c) out.put(0, c, lanes8(acc[0][c]));
     return;
   }
   __m512 acc2[R][C / 2];
@@ -1847,22 +1859,22 @@ void quant_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
       acc[r][2 * p + 1] = _mm512_extractf32x8_ps(acc2[r][p], 1);
     }
   if constexpr (short_tails)
-    if (tail_apart) return short_tail<T, R, G>(jb, w, x, rows, acc, out);
+    if (tail_apart) return short_tail<T, R, G>(jb, w, x, acc, out);
 #else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t g = 0; g < full; ++g) quant_group<T, R, false, G>(w, g, 8, x, acc, jb.row_bytes);
   if constexpr (G && (T == Q4_0 || T == Q4_1 || T == Q8_0))
-    if (short_tail_of(jb.nb)) return short_tail<T, R>(jb, w, x, rows, acc, out);
+    if (short_tail_of(jb.nb)) return short_tail<T, R>(jb, w, x, acc, out);
   if constexpr (!k_quant(T))
     if (jb.nb % 8) quant_group<T, R, true, G>(w, full, static_cast<int>(jb.nb % 8), x, acc, jb.row_bytes);
 #endif
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * C + c][0] = lanes8(acc[r][c]);
+    for (int c = 0; c < C; ++c) out.put(r, c, lanes8(acc[r][c]));
 }
 
 template <int64_t T, int R>
-void float_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* const* out) {
+void float_tile(const Job& jb, const uint8_t* const* w, int64_t row0, const TileOut& out) {
   constexpr int C = COLS;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -1879,26 +1891,27 @@ void float_tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, flo
         v = T == F16 ? _mm256_cvtph_ps(h) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
       }
       for (int r = 0; r < R; ++r)
-        acc[r][c] = _mm256_fmadd_ps(v, _mm256_loadu_ps(jb.xf + rows[r] * jb.k + k), acc[r][c]);
+        acc[r][c] = _mm256_fmadd_ps(v, _mm256_loadu_ps(jb.xf + (row0 + r) * jb.k + k), acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) out[r * C + c][0] = lanes8(acc[r][c]);
+    for (int c = 0; c < C; ++c) out.put(r, c, lanes8(acc[r][c]));
 }
 
 // Rows in tiles of R, the R rows sharing each unpacked weight block; 64 rows at a time so that their
 // activations stay in L2 while the chunk's columns pass.
 template <int64_t T, int R, bool G = false>
-void tile(const Job& jb, const uint8_t* const* w, const int64_t* rows, float* const* out) {
+void tile(const Job& jb, const uint8_t* const* w, const RowPtrs* x, int64_t row0, const TileOut& out) {
   if constexpr (is_float(T)) {
     // the float kernels keep all their accumulators in registers: at most 4 rows at a time
     for (int r = 0; r < R;) {
-      if (R - r >= 4) float_tile<T, 4>(jb, w, rows + r, out + r * COLS), r += 4;
-      else if (R - r >= 2) float_tile<T, 2>(jb, w, rows + r, out + r * COLS), r += 2;
-      else float_tile<T, 1>(jb, w, rows + r, out + r * COLS), r += 1;
+      const TileOut rows_out{out.at + r * out.stride, out.stride, out.valid};
+      if (R - r >= 4) float_tile<T, 4>(jb, w, row0 + r, rows_out), r += 4;
+      else if (R - r >= 2) float_tile<T, 2>(jb, w, row0 + r, rows_out), r += 2;
+      else float_tile<T, 1>(jb, w, row0 + r, rows_out), r += 1;
     }
   } else {
-    quant_tile<T, R, G>(jb, w, rows, out);
+    quant_tile<T, R, G>(jb, w, x, out);
   }
 }
 
@@ -2304,7 +2317,6 @@ template <int64_t T, bool G = false>
 void run_type(const Job& jb, int64_t c0, int64_t c1) {
   const int64_t nrows = jb.a->rows;
   constexpr int64_t ROW_BLOCK = 64;
-  float sink[PASS_RMAX * COLS];
   int64_t first_row = 0;
 #if PASS_VNNI == 2 && defined(__linux__)
   if constexpr (!is_float(T)) {
@@ -2330,34 +2342,33 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
     }
   }
 #endif
+  RowPtrs x[ROW_BLOCK];  // the block's rows' activations, once for all its tiles
   for (int64_t rb = first_row; rb < nrows; rb += ROW_BLOCK) {
     const int64_t re = std::min(nrows, rb + ROW_BLOCK);
+    if constexpr (!is_float(T))
+      for (int64_t r = rb; r < re; ++r) x[r - rb] = row_ptrs(*jb.a, r);
     for (int64_t c = c0; c < c1; c += COLS) {
       const uint8_t* w[COLS];
       for (int i = 0; i < COLS; ++i) w[i] = jb.w + std::min(c + i, c1 - 1) * jb.row_bytes;  // repeats the last
+      const int valid = static_cast<int>(std::min<int64_t>(COLS, c1 - c));
       int64_t r = rb;
       while (r < re) {
         const int64_t left = re - r;
         // up to 8 rows in one tile of their own height: each weight block read and unpacked once
         const int R = left >= PASS_RMAX ? PASS_RMAX : left >= 8 ? 8 : static_cast<int>(left);
-        int64_t rows[PASS_RMAX];
-        float* out[PASS_RMAX * COLS];
-        for (int i = 0; i < R; ++i) {
-          rows[i] = r + i;
-          for (int j = 0; j < COLS; ++j)
-            out[i * COLS + j] = c + j < c1 ? jb.out + (r + i) * jb.n_total + jb.col_offset + c + j : sink + i * COLS + j;
-        }
-        if (R == PASS_RMAX) tile<T, PASS_RMAX, G>(jb, w, rows, out);
+        const RowPtrs* xr = x + (r - rb);
+        const TileOut out{jb.out + r * jb.n_total + jb.col_offset + c, jb.n_total, valid};
+        if (R == PASS_RMAX) tile<T, PASS_RMAX, G>(jb, w, xr, r, out);
 #if PASS_RMAX > 8
-        else if (R == 8) tile<T, 8, G>(jb, w, rows, out);
+        else if (R == 8) tile<T, 8, G>(jb, w, xr, r, out);
 #endif
-        else if (R == 7) tile<T, 7, G>(jb, w, rows, out);
-        else if (R == 6) tile<T, 6, G>(jb, w, rows, out);
-        else if (R == 5) tile<T, 5, G>(jb, w, rows, out);
-        else if (R == 4) tile<T, 4, G>(jb, w, rows, out);
-        else if (R == 3) tile<T, 3, G>(jb, w, rows, out);
-        else if (R == 2) tile<T, 2, G>(jb, w, rows, out);
-        else tile<T, 1, G>(jb, w, rows, out);
+        else if (R == 7) tile<T, 7, G>(jb, w, xr, r, out);
+        else if (R == 6) tile<T, 6, G>(jb, w, xr, r, out);
+        else if (R == 5) tile<T, 5, G>(jb, w, xr, r, out);
+        else if (R == 4) tile<T, 4, G>(jb, w, xr, r, out);
+        else if (R == 3) tile<T, 3, G>(jb, w, xr, r, out);
+        else if (R == 2) tile<T, 2, G>(jb, w, xr, r, out);
+        else tile<T, 1, G>(jb, w, xr, r, out);
         r += R;
       }
     }
