@@ -169,8 +169,9 @@ def main() -> None:
     if not args.no_reference or args.formats:
         runners["fp32 (the file dequantized)"] = llama.LlamaRunner(*gguf_file.load(path, plain=torch.float32))
     isas = args.isa.split(",") if args.isa else blocks.isas()
-    for isa in isas:
-        runners[f"the file's blocks, {isa}"] = llama.LlamaRunner(config, weights, isa=isa)
+    for isa in isas:  # each path on the layouts it reads (the panel layout is avx512vnni's alone)
+        runners[f"the file's blocks, {isa}"] = llama.LlamaRunner(
+            *(gguf_file.load(path, isa=isa) if isa != blocks.isa() else (config, weights)), isa=isa)
     loop = llama.LlamaRunner(config, weights)
     loop.step = None  # the block kernels called from the Python layer loop, SDPA attention
     runners["the file's blocks, Python loop"] = loop

@@ -232,6 +232,64 @@ def test_grouped_rows_give_the_files_bits(type_name):
                 assert torch.equal(got, want[:rows]), (isa, k, rows)
 
 
+PANELABLE = ("Q4_0", "Q4_1", "Q8_0")
+
+
+@pytest.mark.parametrize("type_name", PANELABLE)
+def test_panel_layout(type_name):
+    """csrc/blocks.h's panel layout: the C++ rearrangement is ggml.panel's, unpaneling gives the file's bytes
+    back, and the values are the file's; 16 rows' block b in one slot, the slots in lane order (b = 0, 8, .., 1,
+    9, ..), each holding the rows' d, Q4_1's minimums, then their levels' 4-byte words side by side."""
+    name = type_name + "_P16"
+    for k in (64, 288, 576, 1536):
+        part = make_part(type_name, 32, k, seed=k)
+        paneled = ggml.panel(part, type_name)
+        assert not torch.equal(paneled, part) and torch.equal(ggml.ungroup(paneled, name), part), k
+        assert torch.equal(ggml.values(paneled, name), ggml.dequantize(part, type_name)), k
+        if blocks.available():
+            native = part.clone()
+            blocks._native().panel_blocks(native, blocks.TYPE_IDS[type_name])
+            back, back_type = blocks.ungroup(native, name)
+            assert torch.equal(native, paneled) and torch.equal(back, part) and back_type == type_name, k
+    nb, block = 9, ggml.TYPES[type_name].bytes  # K = 288: slots hold blocks 0, 8, 1, 2, .., 7 of rows 0-15, then 16-31
+    head = 4 if type_name == "Q4_1" else 2
+    part = make_part(type_name, 32, 32 * nb, seed=1)
+    paneled = ggml.panel(part, type_name).reshape(-1)
+    file_block = part.reshape(32, nb, block)
+    slot = paneled[16 * block : 2 * 16 * block]  # block 8 of rows 0-15
+    assert torch.equal(slot[2 * 5 : 2 * 5 + 2], file_block[5, 8, 0:2])  # row 5's d
+    if type_name == "Q4_1":
+        assert torch.equal(slot[32 + 2 * 5 : 32 + 2 * 5 + 2], file_block[5, 8, 2:4])  # its minimum
+    word = slot[16 * head + 64 * 2 + 4 * 5 : 16 * head + 64 * 2 + 4 * 5 + 4]  # its levels' word 2
+    assert torch.equal(word, file_block[5, 8, head + 8 : head + 12])
+    second_slab = paneled[16 * nb * block :]
+    assert torch.equal(second_slab[2 * 16 * block + 2 * 3 : 2 * 16 * block + 2 * 3 + 2], file_block[19, 1, 0:2])
+    with pytest.raises(ValueError, match="panel layout"):
+        ggml.panel(make_part("Q5_0", 16, 64), "Q5_0")
+
+
+@pytest.mark.skipif("avx512vnni" not in isas(), reason="the panel layout is the avx512vnni path's")
+@pytest.mark.parametrize("type_name", PANELABLE)
+def test_paneled_rows_give_the_files_bits(type_name):
+    """A paneled part's products are the file's, bit for bit, at any number of rows (its tiles of up to 8 rows,
+    and from PANEL_ROWS the panels), beside parts in other layouts, at K with and without a short last group;
+    other paths refuse the layout with a clear error."""
+    for k in (256, 288, 576, 416, 1536):
+        part = make_part(type_name, 48, k, seed=k + 1)
+        other = make_part("Q4_1", 20, k, seed=k + 2)
+        x = torch.randn(70, k, generator=torch.Generator().manual_seed(k))
+        want = blocks.mm(x, [part, other], [type_name, "Q4_1"], "generic")
+        paneled, grouped = ggml.panel(part, type_name), ggml.group(other, "Q4_1")
+        for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 70):
+            got = blocks.mm(x[:rows], [paneled, grouped], [type_name + "_P16", "Q4_1_G8"], "avx512vnni")
+            assert torch.equal(got, want[:rows]), (k, rows)
+    for isa in set(isas()) - {"avx512vnni"}:
+        with pytest.raises(RuntimeError, match="panel layout"):
+            blocks.mm(x[:1], [paneled], [type_name + "_P16"], isa)
+    with pytest.raises(RuntimeError, match="rows of 16"):
+        blocks.mm(x[:1], [ggml.panel(part, type_name)[:40]], [type_name + "_P16"], "avx512vnni")
+
+
 def test_grouping_follows_the_path():
     """blocks.group rearranges a part only for the paths that read the grouped layout faster."""
     part = make_part("Q4_1", 3, 256)
@@ -246,6 +304,15 @@ def test_grouping_follows_the_path():
         q8 = make_part("Q8_0", 3, 256)
         wanted = "Q8_0" if isa in ("avx512vnni", "amx") else "Q8_0_G8"
         assert blocks.group(q8, "Q8_0", isa) == wanted == blocks.grouped_type("Q8_0", isa)
+        # the panel layout: where asked for, on the path that reads it, for whole slabs of 16 rows
+        for type_name in PANELABLE:
+            rows16 = make_part(type_name, 32, 256)
+            for panels, n in ((True, 32), (True, 24), (False, 32)):
+                p = rows16[:n].clone()
+                grouped = type_name if type_name == "Q8_0" and isa in ("avx512vnni", "amx") else type_name + "_G8"
+                wanted = type_name + "_P16" if panels and n == 32 and isa == "avx512vnni" else grouped
+                assert blocks.group(p, type_name, isa, panels=panels) == wanted, (isa, type_name, panels, n)
+                assert torch.equal(blocks.ungroup(p, wanted)[0], rows16[:n]), (isa, type_name, panels, n)
 
 
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0"])

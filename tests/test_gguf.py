@@ -1,5 +1,7 @@
 """Our GGUF loader: every block type against the gguf package's dequantizer, whole files against
 transformers' own GGUF loading, and one-line errors for what it does not read."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -85,10 +87,15 @@ def test_a_loaded_model_computes_what_transformers_does_with_the_file(tmp_path, 
     config, weights = gguf_file.load(path)  # the file's blocks, in place
     in_blocks = llama.LlamaRunner(config, weights, kv_dtype=torch.float32)
     assert all(isinstance(m, quant.BlockWeight) for layer in weights.layers for m in layer.matrices())
-    # stacked as the file has them, in the layout the kernels read them in (csrc/blocks.h's grouped ones)
-    assert weights.layers[0].wqkv.types == tuple(blocks.grouped_type(types[m]) for m in "qkv")
+    # stacked as the file has them, in the layout the kernels read them in (csrc/blocks.h's grouped and panel
+    # ones: the panels where no row is reordered after, as Qwen's and Gemma's queries and keys are)
+    qkv = weights.layers[0].wqkv
+    reordered = arch != "llama"
+    assert qkv.types == tuple(blocks.grouped_type(types[m], rows=part.shape[0], panels=m == "v" or not reordered)
+                              for m, part in zip("qkv", qkv.parts))
     down = weights.layers[0].moe.w2[0] if moe else weights.layers[0].w2
-    assert down.types == (blocks.grouped_type(types["down"]),)
+    assert down.types == (blocks.grouped_type(types["down"], rows=down.parts[0].shape[0], panels=not moe),)
+    assert not any(t in ggml.PANELED for t in weights.embed.types + weights.head.types)  # rows looked up; the head
     if moe:  # each expert's matrices are consecutive row ranges of the file's mapped tensors, not copies
         gates = [w13.parts[0] for w13 in weights.layers[0].moe.w13]
         assert len(gates) == gguf_files.EXPERTS and weights.layers[0].moe.top_k == gguf_files.EXPERTS_USED
@@ -115,7 +122,8 @@ def test_the_map_is_grouped_once_and_read_either_way(tmp_path):
     _, plain = gguf_file.load(file, plain=torch.float32)
     _, fresh = gguf_file.load(path, plain=torch.float32)
     for weights in (first, again):
-        assert weights.layers[1].wo.types == (blocks.grouped_type("Q4_0"),)
+        wo = weights.layers[1].wo
+        assert wo.types == (blocks.grouped_type("Q4_0", rows=wo.parts[0].shape[0], panels=True),)
         assert torch.equal(weights.layers[1].wo.dequantize(torch.float32), fresh.layers[1].wo)
         assert torch.equal(weights.head.dequantize(torch.float32), fresh.head)
     assert torch.equal(plain.layers[1].wo, fresh.layers[1].wo) and torch.equal(plain.head, fresh.head)
@@ -153,7 +161,11 @@ def test_the_embedded_model_loads_without_a_conversion(tmp_path, monkeypatch):
     loaded = checkpoint.load(None, model_impl="auto")
     config, weights = loaded.lean
     assert loaded.model is None and loaded.packed and loaded.source.endswith(".gguf")
-    assert weights.layers[0].w13.types == (blocks.grouped_type("Q4_1"),) * 2  # the file's blocks
+    # the file's blocks (the 135M's gate and up: 1,536 rows each, whole slabs of the panel layout)
+    assert weights.layers[0].w13.types == (blocks.grouped_type("Q4_1", rows=1536, panels=True),) * 2
+    if "avx2" in blocks.isas():  # laid out for another path: the grouped layout, which every x86 path reads
+        _, for_avx2 = gguf_file.load(Path(loaded.source), isa="avx2")
+        assert for_avx2.layers[0].w13.types == ("Q4_1_G8",) * 2
     assert weights.embed is weights.head  # tied
     assert not list(tmp_path.iterdir())  # nothing converted: the tokenizer is built from the file's metadata
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")

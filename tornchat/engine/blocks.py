@@ -25,8 +25,9 @@ try:
 except ImportError:  # gguf is optional at run time; the ids are GGML's own (ggml.h's enum ggml_type)
     TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12,
                 "Q5_K": 13, "Q6_K": 14, "BF16": 30}
-GROUPED_ID = 1000  # csrc/blocks.h: a grouped layout's id is this plus its file type's
-TYPE_IDS |= {name: GROUPED_ID + TYPE_IDS[base] for name, base in ggml.GROUPED.items()}
+GROUPED_ID, PANELED_ID = 1000, 2000  # csrc/blocks.h: a grouped (paneled) layout's id is this plus its file type's
+TYPE_IDS |= {name: (PANELED_ID if name in ggml.PANELED else GROUPED_ID) + TYPE_IDS[base]
+             for name, base in ggml.GROUPED.items()}
 TYPE_NAMES = {v: k for k, v in TYPE_IDS.items()}
 # The types each path reads faster in the grouped layout (ggml.group), the steps its kernels dot already in place.
 # avx2, avxvnni: all five; the 135M's products at one row 1.16x (Q4_1 layers) and 1.46x (Q8_0 head) (2026-11-28,
@@ -36,6 +37,10 @@ TYPE_NAMES = {v: k for k, v in TYPE_IDS.items()}
 # the time). 2026-11-29, AMD Zen 4 (docs/performance.md).
 _ALL, _Q4 = tuple(ggml.GROUPED.values()), ("Q4_0", "Q4_1", "Q4_K")
 GROUPING = {"avx2": _ALL, "avxvnni": _ALL, "avx512vnni": _Q4, "amx": _Q4}
+# The types each path reads in the panel layout (ggml.panel) where a part allows it (grouped_type's panels):
+# avx512vnni's 32-value types, whose tiles of 4 columns spent at K = 576 about 40% of their time outside the dot
+# products (2026-12-06, AMD Zen 4: the 135M's Q4_1 products 0.51-0.57x the time at 1 to 16 rows).
+PANELING = {"avx512vnni": ("Q4_0", "Q4_1", "Q8_0")}
 QK = 32  # features per activation block
 
 
@@ -69,20 +74,27 @@ def _type_id(t) -> int:
     return TYPE_IDS[t] if isinstance(t, str) else int(t)
 
 
-def grouped_type(type_name: str, isa: str = "") -> str:
-    """The type path ``isa`` (default ``isa()``) reads type_name's rows in: its grouped layout (``ggml.group``)
-    where that path reads it faster, else type_name itself."""
+def grouped_type(type_name: str, isa: str = "", rows: int = 0, panels: bool = False) -> str:
+    """The type path ``isa`` (default ``isa()``) reads type_name's rows in: with ``panels`` (a part whose rows
+    are not reordered after) of ``rows`` rows, its panel layout (``ggml.panel``) where the path reads the type so
+    (``PANELING``) and the rows are whole slabs of 16; else its grouped layout (``ggml.group``) where that path
+    reads it faster; else type_name itself."""
     grouped = type_name + "_G8"
-    if grouped in ggml.GROUPED and available() and type_name in GROUPING.get(isa or _native().block_isa(), ()):
-        return grouped
-    return type_name
+    if grouped not in ggml.GROUPED or not available():
+        return type_name
+    isa = isa or _native().block_isa()
+    if panels and rows % 16 == 0 and type_name in PANELING.get(isa, ()):
+        return type_name + "_P16"
+    return grouped if type_name in GROUPING.get(isa, ()) else type_name
 
 
-def group(part: torch.Tensor, type_name: str, isa: str = "") -> str:
+def group(part: torch.Tensor, type_name: str, isa: str = "", panels: bool = False) -> str:
     """part (uint8 [N, row_bytes], contiguous) rearranged in place into ``grouped_type`` (in C++): returns the type
-    part now holds."""
-    grouped = grouped_type(type_name, isa)
-    if grouped != type_name:
+    part now holds (``panels``: see ``grouped_type``)."""
+    grouped = grouped_type(type_name, isa, part.shape[0], panels)
+    if grouped in ggml.PANELED:
+        _native().panel_blocks(part, TYPE_IDS[type_name])
+    elif grouped != type_name:
         _native().group_blocks(part, TYPE_IDS[type_name])
     return grouped
 
@@ -95,6 +107,8 @@ def ungroup(part: torch.Tensor, type_name: str) -> tuple[torch.Tensor, str]:
     base = ggml.GROUPED[type_name]
     if not available():
         return ggml.ungroup(part, type_name), base
+    if type_name in ggml.PANELED:
+        return _native().unpanel_blocks(part.contiguous(), TYPE_IDS[base]), base
     return _native().ungroup_blocks(part.contiguous(), TYPE_IDS[base]), base
 
 

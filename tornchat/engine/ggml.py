@@ -40,9 +40,12 @@ TYPES = {t.name: t for t in [
     BlockType("Q8_0", 32, 34), BlockType("Q4_K", 256, 144), BlockType("Q5_K", 256, 176), BlockType("Q6_K", 256, 210),
     BlockType("Q4_0_G8", 32, 18), BlockType("Q4_1_G8", 32, 20), BlockType("Q8_0_G8", 32, 34),
     BlockType("Q4_K_G8", 256, 144), BlockType("Q6_K_G8", 256, 210),
+    BlockType("Q4_0_P16", 32, 18), BlockType("Q4_1_P16", 32, 20), BlockType("Q8_0_P16", 32, 34),
 ]}
-# Our grouped layouts (``group``) and the file's types they rearrange.
-GROUPED = {"Q4_0_G8": "Q4_0", "Q4_1_G8": "Q4_1", "Q8_0_G8": "Q8_0", "Q4_K_G8": "Q4_K", "Q6_K_G8": "Q6_K"}
+# Our grouped layouts (``group``) and panel layouts (``panel``), and the file's types they rearrange.
+GROUPED = {"Q4_0_G8": "Q4_0", "Q4_1_G8": "Q4_1", "Q8_0_G8": "Q8_0", "Q4_K_G8": "Q4_K", "Q6_K_G8": "Q6_K",
+           "Q4_0_P16": "Q4_0", "Q4_1_P16": "Q4_1", "Q8_0_P16": "Q8_0"}
+PANELED = ("Q4_0_P16", "Q4_1_P16", "Q8_0_P16")
 INT4 = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit levels with, per group of 32 values, value = level * scale + low
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -114,8 +117,41 @@ def group(raw: torch.Tensor, type_name: str) -> torch.Tensor:
 
 
 def ungroup(raw: torch.Tensor, type_name: str) -> torch.Tensor:
-    """A grouped type's rows (``group``) as the file stores them, in its type ``GROUPED[type_name]``."""
+    """A grouped or paneled type's rows (``group``, ``panel``) as the file stores them, in its type
+    ``GROUPED[type_name]``."""
+    if type_name in PANELED:
+        return _repanel(raw, GROUPED[type_name], to_panels=False)
     return _regroup(raw, GROUPED[type_name], to_grouped=False)
+
+
+def panel(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """Q4_0, Q4_1 or Q8_0 rows [N, row_bytes], N a multiple of 16, in our panel layout (type ``type_name +
+    "_P16"``, csrc/blocks.h): the same bytes and values, every 16 rows' blocks together, a slot of 16 blocks'
+    bytes per block index b, in the order b = 0, 8, 16, .., 1, 9, .. (lane j's blocks j, j + 8, ..): the 16 rows'
+    fp16 d, (Q4_1) their fp16 minimums, then per 4-byte word w of a block's levels (Q4: 4, Q8_0: 8) the 16 rows'
+    words, row i's at 4i."""
+    if type_name not in ("Q4_0", "Q4_1", "Q8_0"):
+        raise ValueError(f"the panel layout is Q4_0's, Q4_1's and Q8_0's, not {type_name}'s")
+    return _repanel(raw, type_name, to_panels=True)
+
+
+def _repanel(raw: torch.Tensor, type_name: str, to_panels: bool) -> torch.Tensor:
+    block = TYPES[type_name].bytes
+    head = 4 if type_name == "Q4_1" else 2
+    words = (block - head) // 4
+    n, row_bytes = raw.shape
+    slabs, nb = n // 16, row_bytes // block
+    order = torch.tensor([b for j in range(8) for b in range(j, nb, 8)])
+    if to_panels:
+        by_slot = raw.reshape(slabs, 16, nb, block)[:, :, order]  # [slab, row, slot, bytes]
+        fields = [by_slot[..., 2 * f : 2 * f + 2].transpose(1, 2).reshape(slabs, nb, 32) for f in range(head // 2)]
+        levels = by_slot[..., head:].reshape(slabs, 16, nb, words, 4).permute(0, 2, 3, 1, 4)
+        return torch.cat([*fields, levels.reshape(slabs, nb, 64 * words)], dim=-1).reshape(n, row_bytes)
+    slots = raw.reshape(slabs, nb, 16 * block)
+    fields = [slots[..., 32 * f : 32 * f + 32].reshape(slabs, nb, 16, 2).transpose(1, 2) for f in range(head // 2)]
+    levels = slots[..., 16 * head :].reshape(slabs, nb, words, 16, 4).permute(0, 3, 1, 2, 4)
+    by_slot = torch.cat([*fields, levels.reshape(slabs, 16, nb, 4 * words)], dim=-1)
+    return by_slot[:, :, torch.argsort(order)].reshape(n, row_bytes)
 
 
 def _regroup(raw: torch.Tensor, type_name: str, to_grouped: bool) -> torch.Tensor:

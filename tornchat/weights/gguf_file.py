@@ -61,8 +61,9 @@ class GGUFFile:
     skipped, their places remembered, and read by ``array`` only when asked for: gguf's own GGUFReader builds
     every field as numpy views, which is slow on a vocabulary's strings (docs/performance.md)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, isa: str = ""):
         self.path = path
+        self.isa = isa  # the block kernels' path ``blocks`` lays tensors out for ("": blocks.isa())
         self.grouped: dict[str, str] = {}  # tensors rearranged in the map (``blocks``): the type they hold now
         try:
             self._read_header()
@@ -179,14 +180,16 @@ class GGUFFile:
         data = np.frombuffer(self.map, dtype=np.uint8, count=t.nbytes, offset=t.offset)
         return torch.from_numpy(data).reshape(t.rows, -1)
 
-    def blocks(self, name: str, grouped: bool) -> tuple[torch.Tensor, str]:
+    def blocks(self, name: str, grouped: bool, panels: bool = False) -> tuple[torch.Tensor, str]:
         """``mapped``, and the type its bytes hold: with ``grouped``, in the layout the CPU's kernels read fastest
-        (``blocks.group``: rearranged in the map itself, once, copy-on-write, so the file is untouched and
-        memory holds one copy); without, as they are (a type ``ggml.values`` decodes either way)."""
+        (``blocks.group``, its panel layout too with ``panels``: rearranged in the map itself, once,
+        copy-on-write, so the file is untouched and memory holds one copy); without, as they are (a type
+        ``ggml.values`` decodes either way)."""
         raw, t = self.mapped(name), self.tensors[name]
-        if grouped and name not in self.grouped and blocks.grouped_type(t.type_name) != t.type_name:
+        layout = blocks.grouped_type(t.type_name, self.isa, t.rows, panels) if grouped else t.type_name
+        if name not in self.grouped and layout != t.type_name:
             self._populate(t.offset, t.nbytes)
-            self.grouped[name] = blocks.group(raw, t.type_name)
+            self.grouped[name] = blocks.group(raw, t.type_name, self.isa, panels=panels)
         return raw, self.grouped.get(name, t.type_name)
 
     def _populate(self, offset: int, nbytes: int) -> None:
@@ -305,12 +308,15 @@ def _check_type(file: GGUFFile, name: str) -> str:
     return type_name
 
 
-def _matrix(file: GGUFFile, names: list[str], reorder: list, plain: torch.dtype | None) -> quant.Weight:
+def _matrix(file: GGUFFile, names: list[str], reorder: list, plain: torch.dtype | None,
+            panels: bool = True) -> quant.Weight:
     """Tensors stacked by rows into one weight: the file's blocks in place, or all decoded into dtype
-    ``plain`` if given. ``reorder``: a row permutation per part, or None."""
+    ``plain`` if given. ``reorder``: a row permutation per part, or None. ``panels``: the parts may take the
+    panel layout (``blocks.grouped_type``), those not reordered after."""
     for name in names:
         _check_type(file, name)
-    found = [file.blocks(name, grouped=plain is None) for name in names]
+    found = [file.blocks(name, grouped=plain is None, panels=panels and permute is None)
+             for name, permute in zip(names, reorder)]
     parts = [permute(raw).contiguous() if permute else raw for (raw, _), permute in zip(found, reorder)]
     return _weight(parts, [type_name for _, type_name in found], plain)
 
@@ -345,12 +351,13 @@ def _vector(file: GGUFFile, name: str, dtype: torch.dtype) -> torch.Tensor:
     return ggml.dequantize(file.raw(name), _check_type(file, name)).reshape(-1).to(dtype)
 
 
-def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[LlamaConfig, LlamaWeights]:
+def load(source: Path | GGUFFile, plain: torch.dtype | None = None, isa: str = "") -> tuple[LlamaConfig, LlamaWeights]:
     """Config and weights of a Llama-family GGUF (a path, or a header already read): the file's blocks for
-    the CPU's kernels, or with ``plain`` every tensor dequantized into that dtype (a GPU, or --quantize modes
-    that pack from float values)."""
+    the CPU's kernels (laid out for the kernels' path ``isa``, default ``blocks.isa()``, where source is a path),
+    or with ``plain`` every tensor dequantized into that dtype (a GPU, or --quantize modes that pack from float
+    values)."""
     started = time.perf_counter()
-    file = source if isinstance(source, GGUFFile) else GGUFFile(source)
+    file = source if isinstance(source, GGUFFile) else GGUFFile(source, isa)
     config = config_of(file)
     # llama.cpp stores Llama queries and keys with each head's rows in RoPE pairs already (its converter
     # permutes them); Qwen2, Qwen3 and Gemma 3 keep transformers' halves.
@@ -361,8 +368,8 @@ def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[Lla
         q_rows = k_rows = None
     vector_dtype = plain or torch.float32  # norms and biases: the residual stream's dtype
 
-    def matrix(names, reorder):
-        return _matrix(file, names, reorder, plain)
+    def matrix(names, reorder, panels=True):
+        return _matrix(file, names, reorder, plain, panels)
 
     _check_shapes(file, config, int(file.meta("block_count")))
     layers = []
@@ -388,10 +395,13 @@ def load(source: Path | GGUFFile, plain: torch.dtype | None = None) -> tuple[Lla
             moe=_experts(file, blk, plain) if moe else None,
         ))
     _check_type(file, "token_embd.weight")
+    # Never in the panel layout: the embedding's rows are looked up one by one, and the head (a Q8_0 49,152 x 576
+    # on the 135M) streamed from memory by two threads took 1.02-1.23x the time at one and two rows in it
+    # (2026-12-06, AMD Zen 4), where its one-row kernel reads the file's layout.
     if "output.weight" not in file.tensors:  # tied: the head's rows are the embedding
-        head = embed = matrix(["token_embd.weight"], [None])
+        head = embed = matrix(["token_embd.weight"], [None], panels=False)
     else:
-        head, embed = matrix(["output.weight"], [None]), matrix(["token_embd.weight"], [None])
+        head, embed = (matrix([name], [None], panels=False) for name in ("output.weight", "token_embd.weight"))
     weights = LlamaWeights(embed=embed, layers=layers, final_norm=_vector(file, "output_norm.weight", vector_dtype),
                            head=head)
     log.info("read %s (%s, %d layers) in %.1f s", file.path.name, file.arch, len(layers), time.perf_counter() - started)

@@ -56,6 +56,10 @@
 // reads Q6_K and Q8_0 faster in the file's layout); every path computes either layout. A grouped row's short
 // last group of one or two blocks (K = 576: 18 blocks) is taken for a tile's 4 columns at once, as one
 // transposed group (short_tail; the AVX-512 tiles too, in 256-bit vectors).
+// Q4_1 parts whose rows come in slabs of 16 and are only multiplied may come paneled (blocks.h panel_blocks,
+// blocks.py's PANELING: the avx512vnni path alone): 16 columns' block b in one slot, so that every row count
+// takes the panels' arithmetic, 16 columns a VPDPBUSD, straight from the nibbles (p16_tile; from PANEL_ROWS
+// rows vnni_columns on the slots unpacked: pack_p16), with no transpose and no per-column sum of lanes.
 // The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
 // 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same panels), so it too gives the
 // same bits; block_isas() lists it first where the CPU and the kernel (arch_prctl ARCH_REQ_XCOMP_PERM) allow
@@ -123,11 +127,11 @@ inline bool type_info(int64_t type, TypeInfo& info) {
     case F32: info = {1, 4}; return true;
     case F16: info = {1, 2}; return true;
     case BF16: info = {1, 2}; return true;
-    case Q4_0: case Q4_0_G8: info = {32, 18}; return true;
-    case Q4_1: case Q4_1_G8: info = {32, 20}; return true;
+    case Q4_0: case Q4_0_G8: case Q4_0_P16: info = {32, 18}; return true;
+    case Q4_1: case Q4_1_G8: case Q4_1_P16: info = {32, 20}; return true;
     case Q5_0: info = {32, 22}; return true;
     case Q5_1: info = {32, 24}; return true;
-    case Q8_0: case Q8_0_G8: info = {32, 34}; return true;
+    case Q8_0: case Q8_0_G8: case Q8_0_P16: info = {32, 34}; return true;
     case Q4_K: case Q4_K_G8: info = {256, 144}; return true;
     case Q5_K: info = {256, 176}; return true;
     case Q6_K: case Q6_K_G8: info = {256, 210}; return true;
@@ -195,6 +199,7 @@ struct Job {
   float* out;  // [rows, n_total]
   bool amx;  // AMX tiles for every 16 rows (the amx path: avx512vnni's, the same bits)
   bool grouped;  // type's rows in the grouped layout (group_blocks): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
+  bool paneled;  // in the panel layout (panel_blocks): Q4_1 on the avx512vnni path
 };
 
 // Per group of 8 blocks of one weight row: the scales a (ws), the minimums m (wm), Q6_K's 16 sub-block
@@ -652,6 +657,8 @@ BlockMatrix block_matrix(const std::vector<at::Tensor>& parts, const std::vector
                 " bytes are not whole blocks of type ", types[i]);
     const int64_t k = p.size(1) / info.bytes * info.values;
     TORCH_CHECK(i == 0 || k == w.k, "block_mm: part ", i, "'s rows hold ", k, " values, part 0's ", w.k);
+    TORCH_CHECK(types[i] < PANELED || (static_cast<Isa>(w.isa) == Isa::avx512vnni && p.size(0) % 16 == 0),
+                "block_mm: the panel layout (part ", i, ") is read by the avx512vnni path, in rows of 16");
     w.k = k, w.n += p.size(0);
     w.any_quant = w.any_quant || !is_float(types[i]);
     w.parts.push_back(BlockPart{p.data_ptr<uint8_t>(), p.size(0), p.size(1), types[i]});
@@ -704,9 +711,10 @@ at::Tensor block_mm(const at::Tensor& x, const BlockMatrix& w, at::Tensor out) {
   chunks.reserve((n_total + CHUNK - 1) / CHUNK + w.parts.size());
   int64_t offset = 0;
   for (const BlockPart& part : w.parts) {
-    const bool grouped = part.type > GROUPED;
-    jobs.push_back(Job{grouped ? part.type - GROUPED : part.type, k, k / QK, part.row_bytes, n_total, offset,
-                       part.data, &acts, xf.data_ptr<float>(), out.data_ptr<float>(), isa == Isa::amx, grouped});
+    const bool paneled = part.type > PANELED, grouped = !paneled && part.type > GROUPED;
+    jobs.push_back(Job{paneled ? part.type - PANELED : grouped ? part.type - GROUPED : part.type, k, k / QK,
+                       part.row_bytes, n_total, offset, part.data, &acts, xf.data_ptr<float>(), out.data_ptr<float>(),
+                       isa == Isa::amx, grouped, paneled});
     for (int64_t c = 0; c < part.rows; c += CHUNK) chunks.emplace_back(jobs.size() - 1, c);
     offset += part.rows;
   }
@@ -767,6 +775,62 @@ at::Tensor ungroup_blocks(const at::Tensor& part, int64_t type) {
   return out;
 }
 
+namespace {
+
+// 16 rows of Q4_0, Q4_1 or Q8_0 (from, 16 * row_bytes) into their slab of the panel layout (to), or back (to_panels
+// false): per slot the 16 rows' fp16 d, Q4_1's minimums, then their levels' 4-byte words side by side.
+void repanel_rows(const uint8_t* from, uint8_t* to, int64_t nb, int64_t type, bool to_panels) {
+  const GroupedAt at(type);
+  const int64_t row_bytes = nb * at.bytes, slot_bytes = 16 * at.bytes, words = (at.bytes - at.head) / 4;
+  int64_t slot = 0;
+  for (int64_t j = 0; j < 8; ++j)
+    for (int64_t b = j; b < nb; b += 8, ++slot)
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t file = i * row_bytes + b * at.bytes, panel = slot * slot_bytes;
+        const auto move = [&](int64_t file_at, int64_t panel_at, int64_t n) {
+          if (to_panels) std::memcpy(to + panel + panel_at, from + file + file_at, n);
+          else std::memcpy(to + file + file_at, from + panel + panel_at, n);
+        };
+        for (int64_t f = 0; f < at.head / 2; ++f) move(2 * f, 32 * f + 2 * i, 2);  // d, the minimum
+        for (int64_t q = 0; q < words; ++q) move(at.head + 4 * q, 16 * at.head + 64 * q + 4 * i, 4);
+      }
+}
+
+int64_t paneled_blocks(const at::Tensor& part, int64_t type) {
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0, "the panel layout is Q4_0's, Q4_1's and Q8_0's, not type ",
+              type, "'s");
+  const int64_t bytes = GroupedAt(type).bytes;
+  TORCH_CHECK(part.device().is_cpu() && part.scalar_type() == at::kByte && part.dim() == 2 && part.is_contiguous() &&
+                  part.size(1) % bytes == 0 && part.size(0) % 16 == 0,
+              "a part must be a contiguous CPU uint8 tensor [N, row_bytes] of whole blocks, N a multiple of 16");
+  return part.size(1) / bytes;
+}
+
+}  // namespace
+
+void panel_blocks(at::Tensor part, int64_t type) {
+  const int64_t nb = paneled_blocks(part, type), slab = 16 * part.size(1);
+  uint8_t* data = part.data_ptr<uint8_t>();
+  at::parallel_for(0, part.size(0) / 16, 4, [&](int64_t s0, int64_t s1) {
+    std::vector<uint8_t> rows(slab);
+    for (int64_t s = s0; s < s1; ++s) {
+      std::memcpy(rows.data(), data + s * slab, slab);
+      repanel_rows(rows.data(), data + s * slab, nb, type, true);
+    }
+  });
+}
+
+at::Tensor unpanel_blocks(const at::Tensor& part, int64_t type) {
+  const int64_t nb = paneled_blocks(part, type), slab = 16 * part.size(1);
+  auto out = at::empty_like(part);
+  const uint8_t* from = part.data_ptr<uint8_t>();
+  uint8_t* to = out.data_ptr<uint8_t>();
+  at::parallel_for(0, part.size(0) / 16, 4, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) repanel_rows(from + s * slab, to + s * slab, nb, type, false);
+  });
+  return out;
+}
+
 void define_blocks(pybind11::module_& m) {
   namespace py = pybind11;
   m.def("block_isas", &block_isas, "the instruction-set paths of the block kernels this CPU runs, best first");
@@ -780,6 +844,10 @@ void define_blocks(pybind11::module_& m) {
   m.def("group_blocks", &group_blocks, "a Q4_0, Q4_1, Q8_0, Q4_K or Q6_K part's rows rearranged in place into the grouped layout",
         py::arg("part"), py::arg("type"));
   m.def("ungroup_blocks", &ungroup_blocks, "a grouped part's bytes as the file stores them (type: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)",
+        py::arg("part"), py::arg("type"));
+  m.def("panel_blocks", &panel_blocks, "a Q4_0, Q4_1 or Q8_0 part's rows rearranged in place into the panel layout",
+        py::arg("part"), py::arg("type"));
+  m.def("unpanel_blocks", &unpanel_blocks, "a paneled part's bytes as the file stores them (type: Q4_0, Q4_1, Q8_0)",
         py::arg("part"), py::arg("type"));
 }
 
@@ -2000,6 +2068,56 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
   }
 }
 
+// Q4_0, Q4_1 and Q8_0 in the panel layout (blocks.h panel_blocks, the _P16 types): a slot holds one block index
+// of 16 columns, so that the tiles below take its 8 steps for the 16 columns in one 512-bit VPDPBUSD each (lane
+// i: column i), Q4's unpacked from nibbles with a mask and a shift, where the grouped layout's tiles of 4 columns
+// transposed each group and summed each (row, column)'s 8 lanes alone. Lane j of a row's 8 vectors of sums
+// takes its blocks j, j + 8, ... in order with the fp32 operations of every path, then lane_sum adds the 8: the
+// same bits.
+constexpr int64_t p16_slot_bytes(int64_t t) { return 16 * (t == Q4_0 ? 18 : t == Q4_1 ? 20 : 34); }
+
+// A slot's 8 steps of 4 features for its 16 columns, as vnni_columns' panels hold them (Q8_0's made unsigned),
+// and their scales (wm: Q4_1's minimums).
+template <int64_t T>
+inline __attribute__((always_inline)) void p16_slot(const uint8_t* at, __m512i* v, __m512& ws, __m512& wm) {
+  ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+  if constexpr (T == Q4_1) wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)));
+  else wm = _mm512_setzero_ps();
+  const uint8_t* levels = at + (T == Q4_1 ? 64 : 32);
+  if constexpr (T == Q8_0) {
+    for (int t = 0; t < 8; ++t)
+      v[t] = _mm512_xor_si512(_mm512_loadu_si512(levels + 64 * t), _mm512_set1_epi8(static_cast<char>(0x80)));
+    return;
+  }
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int q = 0; q < 4; ++q) {
+    const __m512i packed = _mm512_loadu_si512(levels + 64 * q);
+    v[q] = _mm512_and_si512(packed, low);
+    v[q + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+  }
+}
+
+// vnni_columns' panels of columns c0..c1 (whole slabs of 16) from the panel layout: the slots unpacked in place.
+template <int64_t T>
+inline void pack_p16(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& levels16, std::vector<float>& scales) {
+  const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16, groups = (nb + 7) / 8, slots = groups * 8;
+  levels16.resize(panels * slots * 512);
+  scales.resize(panels * slots * 32);
+  for (int64_t p = 0; p < panels; ++p) {
+    const uint8_t* at = jb.w + (c0 / 16 + p) * 16 * jb.row_bytes;
+    for (int64_t j = 0; j < 8; ++j)
+      for (int64_t b = j; b < nb; b += 8, at += p16_slot_bytes(T)) {
+        const int64_t slot = p * slots + j * groups + b / 8;
+        __m512i v[8];
+        __m512 ws, wm;
+        p16_slot<T>(at, v, ws, wm);
+        for (int t = 0; t < 8; ++t) _mm512_storeu_si512(levels16.data() + slot * 512 + 64 * t, v[t]);
+        _mm512_storeu_ps(scales.data() + slot * 32, ws);
+        _mm512_storeu_ps(scales.data() + slot * 32 + 16, wm);
+      }
+  }
+}
+
 // Many rows on AVX-512 without AMX (a prefill chunk): one 512-bit VPDPBUSD takes features 4t..4t+3 of a panel's
 // 16 columns (pack_panels, by step) against one row's 4 activations broadcast, so that its 16 lanes are 16
 // columns of one row and the fp32 work per block is a few instructions for 16 (row, column) chains, not for
@@ -2011,7 +2129,7 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
 // chains of 4 VPDPBUSD, added (exact int32), not one of 8. 2026-11-27, AMD Zen 5, against 8-row tiles with
 // row pointers and a chain of 8: Q4_K products 1.07-1.12x faster, Q6_K 1.20-1.24x; a 1B's 512-row prefill
 // chunk 0.91x the time, Qwen3 4B's 0.90x (docs/performance.md).
-template <int64_t T, bool G>
+template <int64_t T, bool G, bool P = false>
 void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
   const Acts& a = *jb.a;
   const int64_t nb = jb.nb, panels = (c1 - c0 + 15) / 16, groups = (nb + 7) / 8;
@@ -2019,7 +2137,8 @@ void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
   const int32_t *start = tile_start<T>(a), *start2 = a.tile_second5.data();
   thread_local std::vector<uint8_t> levels16;
   thread_local std::vector<float> scales;
-  pack_panels<T, G>(jb, c0, c1, levels16, scales, true);
+  if constexpr (P) pack_p16<T>(jb, c0, c1, levels16, scales);
+  else pack_panels<T, G>(jb, c0, c1, levels16, scales, true);
   alignas(64) float result[8][16][16];  // [lane j][row][column]
   for (int64_t r0 = 0; r0 < rows16; r0 += 16)
     for (int64_t p = 0; p < panels; ++p) {
@@ -2073,6 +2192,91 @@ void vnni_columns(const Job& jb, int64_t c0, int64_t c1, int64_t rows16) {
         _mm512_mask_storeu_ps(jb.out + (r0 + m) * jb.n_total + jb.col_offset + c, valid, sum);
       }
     }
+}
+
+// R rows (up to 8) of a slab of the panel layout: its slots read once, in the order they lie, the lines a slab
+// and PREFETCH_IN_ORDER bytes ahead asked for as prefetch_in_order asks for a tile's (to L2 past IN_L1_AHEAD);
+// per row a vector of sums for each lane j of the 8, then their sum.
+template <int64_t T, int R>
+void p16_tile(const Job& jb, const uint8_t* slab, const RowPtrs* x, const TileOut& out) {
+  constexpr int sh = offset_shift(T);
+  const int64_t ahead = std::max<int64_t>(2 * PREFETCH_IN_ORDER, 16 * jb.row_bytes + PREFETCH_IN_ORDER);
+  alignas(64) float lane[8][R][16];
+  const uint8_t* at = slab;
+  for (int j = 0; j < 8; ++j) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = j; b < jb.nb; b += 8, at += p16_slot_bytes(T)) {
+      const char* next = reinterpret_cast<const char*>(at + ahead);
+      for (int l = 0; l < p16_slot_bytes(T); l += 64)
+        if (ahead <= IN_L1_AHEAD) _mm_prefetch(next + l, _MM_HINT_T0);
+        else _mm_prefetch(next + l, _MM_HINT_T1);
+      __m512i v[8];
+      __m512 ws, wm;
+      p16_slot<T>(at, v, ws, wm);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const int8_t* q = x[r].q + b * QK;
+        const auto word = [&](int t) {  // activations 4t..4t+3 of block b, broadcast
+          int32_t w;
+          std::memcpy(&w, q + 4 * t, 4);
+          return _mm512_set1_epi32(w);
+        };
+        // the offsets Q4_0 (8) and Q8_0 (128, made unsigned) add to their levels, taken off first
+        __m512i first = T == Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(x[r].sums[b] * (sh >= 0 ? 1 << sh : 128));
+        __m512i second = _mm512_setzero_si512();
+        for (int t = 0; t < 4; ++t) first = _mm512_dpbusd_epi32(first, v[t], word(t));
+        for (int t = 4; t < 8; ++t) second = _mm512_dpbusd_epi32(second, v[t], word(t));
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(first, second));
+        acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(ws, _mm512_set1_ps(x[r].d[b])), acc[r]);
+        if constexpr (T == Q4_1) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].ds[b]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm512_store_ps(lane[j][r], acc[r]);
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << out.valid) - 1);
+  for (int r = 0; r < R; ++r)
+    _mm512_mask_storeu_ps(out.at + r * out.stride, valid,
+                          lane_sum([&](int j) { return _mm512_load_ps(lane[j][r]); },
+                                   [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); }));
+}
+
+// A paneled part's columns c0..c1 (whole slabs: the parts' rows and the chunks' first columns are multiples of
+// 16): whole tiles of 16 rows from PANEL_ROWS rows in vnni_columns' panels, the rest in p16_tiles of up to 8.
+template <int64_t T>
+void run_p16(const Job& jb, int64_t c0, int64_t c1) {
+  const int64_t nrows = jb.a->rows, slab_bytes = 16 * jb.row_bytes;
+  int64_t first_row = 0;
+  if (nrows >= PANEL_ROWS) {
+    first_row = nrows / 16 * 16;
+    vnni_columns<T, false, true>(jb, c0, c1, first_row);
+  }
+  constexpr int64_t ROW_BLOCK = 64;
+  RowPtrs x[ROW_BLOCK];
+  for (int64_t rb = first_row; rb < nrows; rb += ROW_BLOCK) {
+    const int64_t re = std::min(nrows, rb + ROW_BLOCK);
+    for (int64_t r = rb; r < re; ++r) x[r - rb] = row_ptrs(*jb.a, r);
+    for (int64_t c = c0; c < c1; c += 16) {
+      const uint8_t* slab = jb.w + c / 16 * slab_bytes;
+      const int valid = static_cast<int>(std::min<int64_t>(16, c1 - c));
+      for (int64_t r = rb; r < re;) {
+        const int R = static_cast<int>(std::min<int64_t>(8, re - r));
+        const RowPtrs* xr = x + (r - rb);
+        const TileOut out{jb.out + r * jb.n_total + jb.col_offset + c, jb.n_total, valid};
+        switch (R) {
+          case 8: p16_tile<T, 8>(jb, slab, xr, out); break;
+          case 7: p16_tile<T, 7>(jb, slab, xr, out); break;
+          case 6: p16_tile<T, 6>(jb, slab, xr, out); break;
+          case 5: p16_tile<T, 5>(jb, slab, xr, out); break;
+          case 4: p16_tile<T, 4>(jb, slab, xr, out); break;
+          case 3: p16_tile<T, 3>(jb, slab, xr, out); break;
+          case 2: p16_tile<T, 2>(jb, slab, xr, out); break;
+          default: p16_tile<T, 1>(jb, slab, xr, out);
+        }
+        r += R;
+      }
+    }
+  }
 }
 #endif
 
@@ -2376,6 +2580,10 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
 }
 
 void run(const Job& jb, int64_t c0, int64_t c1) {
+#if PASS_VNNI == 2
+  if (jb.paneled) return jb.type == Q4_0 ? run_p16<Q4_0>(jb, c0, c1) : jb.type == Q4_1 ? run_p16<Q4_1>(jb, c0, c1)
+                                         : run_p16<Q8_0>(jb, c0, c1);
+#endif
   if (jb.grouped) {
     switch (jb.type) {
       case Q4_0: return run_type<Q4_0, true>(jb, c0, c1);

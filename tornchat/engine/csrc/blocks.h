@@ -15,11 +15,13 @@
 
 namespace tornchat {
 
-// GGML type ids (ggml.h's enum ggml_type), and ours for the grouped layouts (group_blocks): GROUPED + the type's.
+// GGML type ids (ggml.h's enum ggml_type), and ours for the grouped layouts (group_blocks): GROUPED + the type's;
+// for the panel layout (panel_blocks): PANELED + the type's.
 enum GgmlType : int64_t {
   F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30,
   GROUPED = 1000, Q4_0_G8 = GROUPED + Q4_0, Q4_1_G8 = GROUPED + Q4_1, Q8_0_G8 = GROUPED + Q8_0,
   Q4_K_G8 = GROUPED + Q4_K, Q6_K_G8 = GROUPED + Q6_K,
+  PANELED = 2000, Q4_0_P16 = PANELED + Q4_0, Q4_1_P16 = PANELED + Q4_1, Q8_0_P16 = PANELED + Q8_0,
 };
 
 // The instruction-set paths this CPU runs, best first ("amx", "avx512vnni", "avxvnni", "avx2", "generic"):
@@ -70,7 +72,18 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
 void group_blocks(at::Tensor part, int64_t type);
 at::Tensor ungroup_blocks(const at::Tensor& part, int64_t type);
 
-// Adds block_isas, block_isa, block_mm (without the GIL), group_blocks and ungroup_blocks to fused.cpp's Python module.
+// The panel layout of Q4_0, Q4_1 and Q8_0 rows (Q4_0_P16 ..), which the avx512vnni path reads with 16 columns in
+// the lanes of a vector: every 16 rows (N a multiple of 16) hold their blocks together, one slot of 16 blocks'
+// bytes per block index b, the slots in the order lane j of a row's 8 sums takes them (b = j, j + 8, ... for
+// j = 0 .. 7): the 16 rows' fp16 d, Q4_1's fp16 minimums, then the levels' 4-byte words w (Q4: 4, each byte
+// holding features 4w + i and 16 + 4w + i in its low and high nibble; Q8_0: 8) as 64 bytes each, row i's word at
+// 4i. The same bytes and values; panel_blocks rearranges part (uint8 [N, row_bytes]) in place, unpanel_blocks
+// returns the file's bytes.
+void panel_blocks(at::Tensor part, int64_t type);
+at::Tensor unpanel_blocks(const at::Tensor& part, int64_t type);
+
+// Adds block_isas, block_isa, block_mm (without the GIL), group_blocks, ungroup_blocks, panel_blocks and
+// unpanel_blocks to fused.cpp's Python module.
 void define_blocks(pybind11::module_& m);
 
 }  // namespace tornchat
