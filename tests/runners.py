@@ -5,9 +5,10 @@ from tornchat.engine import llama, quant
 
 
 def lean(model, quantize: str = "none", **options) -> llama.LlamaRunner:
-    """The lean forward over a transformers model's weights, in ``quantize``'s blocks (``llama.pack``)."""
+    """The lean forward over a transformers model's weights, in ``quantize``'s blocks (``llama.pack``, laid out
+    for the runner's ``isa`` where one is given)."""
     config, weights = llama.from_transformers(model)
-    return llama.LlamaRunner(config, llama.pack(weights, quantize, keep=True), **options)
+    return llama.LlamaRunner(config, llama.pack(weights, quantize, keep=True, isa=options.get("isa", "")), **options)
 
 
 def exact(runner: llama.LlamaRunner, **options) -> llama.LlamaRunner:

@@ -189,7 +189,8 @@ def test_a_hf_checkpoint_is_packed_layer_by_layer_as_it_is_read(tiny_checkpoint,
     loaded = checkpoint.load(tiny_checkpoint, model_impl="auto", quantize=mode)
     assert loaded.model is None and loaded.packed
     config, weights = loaded.lean
-    assert weights.layers[0].w13.types == (blocks.grouped_type(quant.BLOCK_TYPES[mode]),)
+    w13 = weights.layers[0].w13
+    assert w13.types == (blocks.grouped_type(quant.BLOCK_TYPES[mode], rows=w13.parts[0].shape[0], panels=True),)
     assert weights.embed is weights.head  # tied: the head's blocks give the embedding's rows, one copy
     reference_config, plain = llama.from_transformers(tiny_model)  # the same weights, packed from the model
     expected = llama.LlamaRunner(reference_config, llama.pack(plain, mode))
@@ -217,7 +218,8 @@ def test_a_mixture_of_experts_checkpoint_is_packed_expert_by_expert(tiny_qwen3_m
     config, weights = loaded.lean
     moe = weights.layers[1].moe
     assert weights.layers[1].w13 is None and len(moe.w13) == 8 and moe.top_k == 3 and moe.norm_top_k
-    assert moe.w13[0].types == (blocks.grouped_type("Q8_0"),) and moe.router.dtype == torch.float32
+    assert moe.w13[0].types == (blocks.grouped_type("Q8_0", rows=moe.w13[0].shape[0], panels=True),)
+    assert moe.router.dtype == torch.float32
     reference_config, plain = llama.from_transformers(tiny_qwen3_moe)
     expected = llama.LlamaRunner(reference_config, llama.pack(plain, "int8"))
     assert torch.equal(llama.LlamaRunner(config, weights).score(IDS), expected.score(IDS))

@@ -271,11 +271,13 @@ def from_transformers(model: torch.nn.Module) -> tuple[LlamaConfig, LlamaWeights
     return spec, weights
 
 
-def pack(weights: LlamaWeights, quantize: str, group_size: int = quant.CUDA_GROUP, keep: bool = False) -> LlamaWeights:
+def pack(weights: LlamaWeights, quantize: str, group_size: int = quant.CUDA_GROUP, keep: bool = False,
+         isa: str = "") -> LlamaWeights:
     """Plain weights in a ``QUANTIZE`` format, one layer at a time: on the CPU GGML blocks (``quant.to_blocks``:
-    none F32, bf16 BF16, int8 Q8_0, int4 Q4_1 with a Q8_0 head), on CUDA tinygemm int4 (``int4``) or plain
-    (``none``). Unless ``keep``, each plain layer is dropped once packed, so that the model is never
-    held twice. A tied embedding reads its rows from the packed head where that can give them back."""
+    none F32, bf16 BF16, int8 Q8_0, int4 Q4_1 with a Q8_0 head; laid out for the block kernels' path ``isa``), on
+    CUDA tinygemm int4 (``int4``) or plain (``none``). Unless ``keep``, each plain layer is dropped once packed,
+    so that the model is never held twice. A tied embedding reads its rows from the packed head where that can
+    give them back."""
     if quantize not in QUANTIZE:
         raise ValueError(f"unknown quantize mode {quantize!r} ({' | '.join(QUANTIZE)})")
     if weights.final_norm.is_cuda:
@@ -289,10 +291,10 @@ def pack(weights: LlamaWeights, quantize: str, group_size: int = quant.CUDA_GROU
         pack_head = pack_matrix
     else:
         def pack_matrix(weight):
-            return quant.to_blocks(weight, quantize)
+            return quant.to_blocks(weight, quantize, isa=isa)
 
         def pack_head(weight):
-            return quant.to_blocks(weight, quantize, head=True)
+            return quant.to_blocks(weight, quantize, head=True, isa=isa)
     packed = []
     for i, layer in enumerate(weights.layers):
         packed.append(layer.packed(pack_matrix))

@@ -65,9 +65,11 @@ def _values(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     return ggml.values(*blocks.ungroup(raw, type_name))
 
 
-def to_blocks(weight: torch.Tensor, quantize: str, head: bool = False) -> BlockWeight:
+def to_blocks(weight: torch.Tensor, quantize: str, head: bool = False, isa: str = "") -> BlockWeight:
     """Float weights [N, K] in the GGML type ``BLOCK_TYPES[quantize]`` (``HEAD_TYPES`` for the output
-    projection), with gguf's own quantizers; a K that is not a whole number of blocks stays F32."""
+    projection), with gguf's own quantizers; a K that is not a whole number of blocks stays F32. In the layout
+    path ``isa`` reads (``blocks.group``), the panel layout too except for the head, whose rows a tied embedding
+    reads."""
     type_name = (HEAD_TYPES if head else BLOCK_TYPES)[quantize]
     if type_name.startswith("Q") and weight.shape[1] % 32:
         type_name = "F32"
@@ -79,7 +81,7 @@ def to_blocks(weight: torch.Tensor, quantize: str, head: bool = False) -> BlockW
     from gguf import GGMLQuantizationType, quants
 
     raw = torch.from_numpy(np.ascontiguousarray(quants.quantize(values.numpy(), GGMLQuantizationType[type_name])))
-    return BlockWeight((raw,), (blocks.group(raw, type_name),))
+    return BlockWeight((raw,), (blocks.group(raw, type_name, isa, panels=not head),))
 
 
 def group_levels(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
