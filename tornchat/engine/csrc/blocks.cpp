@@ -56,10 +56,10 @@
 // reads Q6_K and Q8_0 faster in the file's layout); every path computes either layout. A grouped row's short
 // last group of one or two blocks (K = 576: 18 blocks) is taken for a tile's 4 columns at once, as one
 // transposed group (short_tail; the AVX-512 tiles too, in 256-bit vectors).
-// Q4_1 parts whose rows come in slabs of 16 and are only multiplied may come paneled (blocks.h panel_blocks,
-// blocks.py's PANELING: the avx512vnni path alone): 16 columns' block b in one slot, so that every row count
-// takes the panels' arithmetic, 16 columns a VPDPBUSD, straight from the nibbles (p16_tile; from PANEL_ROWS
-// rows vnni_columns on the slots unpacked: pack_p16), with no transpose and no per-column sum of lanes.
+// Q4_0, Q4_1 and Q8_0 parts whose rows come in slabs of 16 may come paneled (blocks.h panel_blocks, blocks.py's
+// PANELING: the avx512vnni path alone): 16 columns' block b in one slot, so that every row count takes the
+// panels' arithmetic, 16 columns a VPDPBUSD, straight from the nibbles (p16_tile; from PANEL_ROWS rows
+// vnni_columns on the slots unpacked: pack_p16), with no transpose and no per-column sum of lanes.
 // The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
 // 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same panels), so it too gives the
 // same bits; block_isas() lists it first where the CPU and the kernel (arch_prctl ARCH_REQ_XCOMP_PERM) allow
@@ -199,7 +199,7 @@ struct Job {
   float* out;  // [rows, n_total]
   bool amx;  // AMX tiles for every 16 rows (the amx path: avx512vnni's, the same bits)
   bool grouped;  // type's rows in the grouped layout (group_blocks): Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
-  bool paneled;  // in the panel layout (panel_blocks): Q4_1 on the avx512vnni path
+  bool paneled;  // in the panel layout (panel_blocks): Q4_0, Q4_1, Q8_0 on the avx512vnni path
 };
 
 // Per group of 8 blocks of one weight row: the scales a (ws), the minimums m (wm), Q6_K's 16 sub-block
