@@ -266,6 +266,8 @@ def test_panel_layout(type_name):
     assert torch.equal(second_slab[2 * 16 * block + 2 * 3 : 2 * 16 * block + 2 * 3 + 2], file_block[19, 1, 0:2])
     with pytest.raises(ValueError, match="panel layout"):
         ggml.panel(make_part("Q5_0", 16, 64), "Q5_0")
+    with pytest.raises(ValueError, match="slabs of 16"):
+        ggml.panel(make_part(type_name, 24, 64), type_name)
 
 
 @pytest.mark.skipif("avx512vnni" not in isas(), reason="the panel layout is the avx512vnni path's")

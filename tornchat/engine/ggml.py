@@ -132,6 +132,8 @@ def panel(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     words, row i's at 4i."""
     if type_name not in ("Q4_0", "Q4_1", "Q8_0"):
         raise ValueError(f"the panel layout is Q4_0's, Q4_1's and Q8_0's, not {type_name}'s")
+    if raw.shape[0] % 16:
+        raise ValueError(f"the panel layout takes rows in slabs of 16, not {raw.shape[0]}")
     return _repanel(raw, type_name, to_panels=True)
 
 
