@@ -1,5 +1,7 @@
 """Our GGUF loader: every block type against the gguf package's dequantizer, whole files against
 transformers' own GGUF loading, and one-line errors for what it does not read."""
+import ctypes
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -128,6 +130,36 @@ def test_the_map_is_grouped_once_and_read_either_way(tmp_path):
         assert torch.equal(weights.head.dequantize(torch.float32), fresh.head)
     assert torch.equal(plain.layers[1].wo, fresh.layers[1].wo) and torch.equal(plain.head, fresh.head)
     assert path.read_bytes() == before
+
+
+def test_blocks_used_in_place_are_read_into_memory_of_their_own(tmp_path):
+    """Loaded for the CPU's kernels, the file's tensors are read once into anonymous memory advised for 2 MiB
+    pages (MADV_HUGEPAGE, where the OS has it) that the weights view; decoded (plain), they stay in the file's
+    map, so that no view of a small tensor holds a copy of them all."""
+    path = gguf_files.write(tmp_path / "m.gguf", MIXES["q4_k_m"])
+    file = gguf_file.GGUFFile(path)
+    gguf_file.load(file, plain=torch.float32)
+    assert file.memory is None
+    _, weights = gguf_file.load(file)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(file.memory))
+    assert len(file.memory) == path.stat().st_size - file.data_start
+    for part in (*weights.layers[0].wqkv.parts, *weights.layers[1].w2.parts, *weights.head.parts):
+        assert start <= part.data_ptr() < start + len(file.memory)
+    smaps = Path("/proc/self/smaps")
+    if smaps.exists() and hasattr(mmap, "MADV_HUGEPAGE"):
+        assert "hg" in _vm_flags(smaps.read_text(), start)
+
+
+def _vm_flags(smaps: str, address: int) -> list[str]:
+    inside = False
+    for line in smaps.splitlines():
+        first = line.split()[0] if line else ""
+        if "-" in first and not first.endswith(":"):
+            low, high = (int(end, 16) for end in first.split("-"))
+            inside = low <= address < high
+        elif inside and first == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 @pytest.mark.parametrize("arch, types, message", [

@@ -13,6 +13,7 @@ that dtype instead (a GPU, or --quantize modes that pack from float values).
 
 Config comes from the file's metadata.
 """
+import contextlib
 import logging
 import math
 import mmap
@@ -28,7 +29,6 @@ from tornchat.engine import blocks, quant
 from tornchat.engine.llama import Experts, Layer, LlamaConfig, LlamaWeights, interleave_rope_rows, qk_norms
 from tornchat.engine import ggml
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # linux/mman.h; Python names it where its build knew it
 log = logging.getLogger("tornchat.checkpoint")
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "mistral", "gemma3")
@@ -64,7 +64,8 @@ class GGUFFile:
     def __init__(self, path: Path, isa: str = ""):
         self.path = path
         self.isa = isa  # the block kernels' path ``blocks`` lays tensors out for ("": blocks.isa())
-        self.grouped: dict[str, str] = {}  # tensors rearranged in the map (``blocks``): the type they hold now
+        self.grouped: dict[str, str] = {}  # tensors rearranged in memory (``blocks``): the type they hold now
+        self.memory: mmap.mmap | None = None  # the file's bytes read into memory of their own (``read_into_memory``)
         try:
             self._read_header()
         except (struct.error, ValueError, OverflowError, MemoryError) as exc:  # a truncated or corrupt header
@@ -102,7 +103,7 @@ class GGUFFile:
                 type_name = f"type {type_id}"
             infos.append((name, type_name, dims, offset))
         alignment = int(self.fields.get("general.alignment", 32))
-        data_start = -(-self.at // alignment) * alignment
+        self.data_start = data_start = -(-self.at // alignment) * alignment
         self.tensors = {}
         for name, type_name, dims, offset in infos:
             cols, rows = dims[0], math.prod(dims[1:])
@@ -175,32 +176,50 @@ class GGUFFile:
         return torch.from_numpy(data).reshape(t.rows, -1)
 
     def mapped(self, name: str) -> torch.Tensor:
-        """The tensor's bytes as uint8 [N, row_bytes], a view of the file's memory map."""
+        """The tensor's bytes as uint8 [N, row_bytes], a view of the file's bytes in memory (``read_into_memory``)
+        or, before that, of its map."""
         t = self.tensors[name]
-        data = np.frombuffer(self.map, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        if self.memory is None:
+            data = np.frombuffer(self.map, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        else:
+            data = np.frombuffer(self.memory, dtype=np.uint8, count=t.nbytes, offset=t.offset - self.data_start)
         return torch.from_numpy(data).reshape(t.rows, -1)
+
+    def read_into_memory(self) -> None:
+        """The file's tensors read once into private anonymous memory that the kernel backs with 2 MiB pages where
+        it can (MADV_HUGEPAGE), for tensors used in place: a decode step streams every weight, and on the file
+        map's 4 KiB pages the TLB's misses (one every 4 KiB) cost whole 1B and 135M steps 3-7% of their time
+        (2026-12-06, AMD Zen 4). One copy, which ``blocks`` rearranges in place (the map's pages, copy-on-write,
+        took a fault each 4 KiB). Where tensors are decoded into new ones (``load``'s plain) the map serves: a
+        tensor viewing this memory would hold them all. The header (the tokenizer's arrays) stays in the map."""
+        if self.memory is not None:
+            return
+        nbytes = len(self.map) - self.data_start
+        anonymous = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        memory = mmap.mmap(-1, max(nbytes, 1), **({"flags": anonymous} if anonymous else {}))
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # no THP (Windows, macOS, older kernels)
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        view, got = memoryview(memory), 0
+        with open(self.path, "rb", buffering=0) as handle:
+            handle.seek(self.data_start)
+            while got < nbytes:  # read() returns at most 2 GiB a call
+                read = handle.readinto(view[got:])
+                if not read:
+                    raise UnsupportedFile(f"{self.path.name} shrank while it was read")
+                got += read
+        view.release()
+        self.memory = memory
 
     def blocks(self, name: str, grouped: bool, panels: bool = False) -> tuple[torch.Tensor, str]:
         """``mapped``, and the type its bytes hold: with ``grouped``, in the layout the CPU's kernels read fastest
-        (``blocks.group``, its panel layout too with ``panels``: rearranged in the map itself, once,
-        copy-on-write, so the file is untouched and memory holds one copy); without, as they are (a type
-        ``ggml.values`` decodes either way)."""
+        (``blocks.group``, its panel layout too with ``panels``: rearranged in memory itself, once, so the file
+        is untouched and memory holds one copy); without, as they are (a type ``ggml.values`` decodes either
+        way)."""
         raw, t = self.mapped(name), self.tensors[name]
         layout = blocks.grouped_type(t.type_name, self.isa, t.rows, panels) if grouped else t.type_name
         if name not in self.grouped and layout != t.type_name:
-            self._populate(t.offset, t.nbytes)
             self.grouped[name] = blocks.group(raw, t.type_name, self.isa, panels=panels)
         return raw, self.grouped.get(name, t.type_name)
-
-    def _populate(self, offset: int, nbytes: int) -> None:
-        """The map's pages holding those bytes made private in one call (MADV_POPULATE_WRITE, Linux 5.14), where a
-        write would take a copy-on-write fault per 4 KiB page: 0.22 s against 1.14 s for the 1B's 467 MB of Q4_K
-        (2026-11-28, AMD Zen 3). Without it (an older kernel) the writes fault as before."""
-        start = offset // mmap.PAGESIZE * mmap.PAGESIZE
-        try:
-            self.map.madvise(MADV_POPULATE_WRITE, start, offset + nbytes - start)
-        except (AttributeError, OSError, ValueError):  # no madvise (Windows), or a kernel without it
-            pass
 
 
 def config_of(file: GGUFFile) -> LlamaConfig:
@@ -359,6 +378,8 @@ def load(source: Path | GGUFFile, plain: torch.dtype | None = None, isa: str = "
     started = time.perf_counter()
     file = source if isinstance(source, GGUFFile) else GGUFFile(source, isa)
     config = config_of(file)
+    if plain is None:
+        file.read_into_memory()
     # llama.cpp stores Llama queries and keys with each head's rows in RoPE pairs already (its converter
     # permutes them); Qwen2, Qwen3 and Gemma 3 keep transformers' halves.
     if file.arch in ("qwen2",) + QK_NORM_ARCHITECTURES:
