@@ -6,6 +6,7 @@ import torch
 from tornchat import prompt
 from tornchat.engine import speculate
 from tornchat.engine.grammar import Compiler, json_value
+from tornchat.engine.model import HFRunner
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.speculate import Costs, Drafter
 from tornchat.engine.types import GenerationRequest, SamplingParams
@@ -119,6 +120,14 @@ def test_measured_costs_time_a_few_verify_sizes_and_interpolate_the_rest(monkeyp
     costs = speculate.measure(Runner(), list(range(20)), repeats=5, budget_s=10)  # a round takes 19 units or more
     assert timed == [1, 2, 4, 8] * 2  # two rounds, though the first alone spent the budget
     assert costs.relative == (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5)
+
+
+def test_verify_costs_are_measured_on_a_transformers_runner_too(tiny_model):
+    """speculate.measure on HFRunner, whose caches are transformers' own (no length of ours): the costs of 1 to
+    MAX_DRAFT + 1 rows relative to one row's, where a first start with speculation on used to stop."""
+    costs = speculate.measure(HFRunner(tiny_model), list(range(20)), repeats=2, budget_s=0)
+    assert len(costs.relative) == speculate.MAX_DRAFT + 1 and costs.relative[0] == 1.0
+    assert all(cost > 0 for cost in costs.relative)
 
 
 def test_a_prediction_is_drafted_from_the_first_token_and_never_starves():
