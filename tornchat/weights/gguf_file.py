@@ -188,7 +188,7 @@ class GGUFFile:
     def read_into_memory(self) -> None:
         """The file's tensors read once into private anonymous memory that the kernel backs with 2 MiB pages where
         it can (MADV_HUGEPAGE), for tensors used in place: a decode step streams every weight, and on the file
-        map's 4 KiB pages the TLB's misses (one every 4 KiB) cost whole 1B and 135M steps 3-7% of their time
+        map's 4 KiB pages the TLB's misses (one every 4 KiB) cost whole 1B and 135M steps 3-8% of their time
         (2026-12-06, AMD Zen 4). One copy, which ``blocks`` rearranges in place (the map's pages, copy-on-write,
         took a fault each 4 KiB). Where tensors are decoded into new ones (``load``'s plain) the map serves: a
         tensor viewing this memory would hold them all. The header (the tokenizer's arrays) stays in the map."""
