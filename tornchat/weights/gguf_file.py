@@ -179,10 +179,8 @@ class GGUFFile:
         """The tensor's bytes as uint8 [N, row_bytes], a view of the file's bytes in memory (``read_into_memory``)
         or, before that, of its map."""
         t = self.tensors[name]
-        if self.memory is None:
-            data = np.frombuffer(self.map, dtype=np.uint8, count=t.nbytes, offset=t.offset)
-        else:
-            data = np.frombuffer(self.memory, dtype=np.uint8, count=t.nbytes, offset=t.offset - self.data_start)
+        source, at = (self.map, t.offset) if self.memory is None else (self.memory, t.offset - self.data_start)
+        data = np.frombuffer(source, dtype=np.uint8, count=t.nbytes, offset=at)
         return torch.from_numpy(data).reshape(t.rows, -1)
 
     def read_into_memory(self) -> None:
