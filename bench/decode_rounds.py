@@ -8,8 +8,10 @@ take turns, a fresh server each round, on the same file and threads, each
 decoding e2e's short workload (3 topics, 128 greedy tokens, streamed through
 the openai SDK); each round's ratio compares neighbours in time, and the
 median over rounds is the figure to report. Each round also measures the
-machine's read bandwidth (a torch sum over 1 GiB, as bench/blocks.py) and
-gives tornchat's decode rate as a share of it: the bytes a token reads
+machine's read bandwidth (a torch sum over 1 GiB, as bench/blocks.py) before,
+between and after the two servers, and gives each system's decode rate as a
+share of the mean of the two measurements beside its own run (this CPU's
+bandwidth swung 33-61 GB/s within minutes): the bytes a token reads
 (``token_bytes``) times tokens/s, over that bandwidth. A dense model's
 figure: a mixture of experts reads only its chosen experts.
 
@@ -93,19 +95,21 @@ def main() -> None:
 
     context = max(4096, args.context + 1024)  # llama-server's -c: the notes, the question and the reply
     print(f"a token reads about {per_token / 1e9:.3f} GB")
-    print("| round | tornchat tok/s | llama-server tok/s | ratio | read GB/s | tornchat of it | llama-server of it |\n"
-          "|---|---|---|---|---|---|---|")
+    print("| round | tornchat tok/s | llama-server tok/s | ratio | read GB/s before / between / after | tornchat of it "
+          "| llama-server of it |\n|---|---|---|---|---|---|---|")
     ratios, shares, their_shares = [], [], []
     for round_ in range(1, args.rounds + 1):
-        read = bandwidth()
+        before = bandwidth()
         ours = decode_rate(tornchat, args.threads, tokenizer, args.context)
+        between = bandwidth()
         theirs = decode_rate(lambda port: e2e.llamacpp_system(args.threads, port, model, llama_server, context), args.threads,
                              tokenizer, args.context)
+        after = bandwidth()
         ratios.append(ours / theirs)
-        shares.append(ours * per_token / read)
-        their_shares.append(theirs * per_token / read)
-        print(f"| {round_} | {ours:.1f} | {theirs:.1f} | {ratios[-1]:.2f}x | {read / 1e9:.1f} | {shares[-1]:.0%} | "
-              f"{their_shares[-1]:.0%} |", flush=True)
+        shares.append(ours * per_token / ((before + between) / 2))
+        their_shares.append(theirs * per_token / ((between + after) / 2))
+        print(f"| {round_} | {ours:.1f} | {theirs:.1f} | {ratios[-1]:.2f}x | {before / 1e9:.1f} / {between / 1e9:.1f} / "
+              f"{after / 1e9:.1f} | {shares[-1]:.0%} | {their_shares[-1]:.0%} |", flush=True)
     print(f"median ratio over {args.rounds} rounds: {statistics.median(ratios):.2f}x "
           f"(range {min(ratios):.2f}x to {max(ratios):.2f}x); of the read bandwidth, tornchat at "
           f"{statistics.median(shares):.0%} (range {min(shares):.0%} to {max(shares):.0%}), llama-server at "
