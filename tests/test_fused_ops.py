@@ -162,24 +162,58 @@ def test_attend_is_the_reference_and_each_row_is_as_if_alone(kv_dtype, heads, kv
     assert torch.equal(changed[:3], got[:3]) and changed[3:].isnan().all()
 
 
+def vector_paths() -> list[str]:
+    """The attention paths a test can name on this CPU: the block kernels' (not generic), and "avx512f" where the
+    CPU has AVX-512: on a CPU with AVX-512 BF16 the others take VDPBF16PS for a bf16 cache's scores, and it the
+    multiply-adds that stand for it elsewhere."""
+    paths = [isa for isa in blocks.isas() if isa != "generic"]
+    return paths + ["avx512f"] * bool({"avx512vnni", "amx"} & set(paths)) or ["generic"]  # generic alone: not x86
+
+
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (16, 8, 128), (4, 1, 256), (6, 2, 80)])
 def test_attention_gives_the_same_bits_on_every_vector_path(kv_dtype, heads, kv_heads, head_dim):
     """The AVX2 loops (16 lanes as two vectors of 8, their own tile) make the same fused multiply-adds in the same
-    order as the AVX-512 ones, so an AVX2-only machine gets the bits an AVX-512 one gets. The baseline (no fused
-    multiply-add) is only close to them. Decode steps, a verify, a prefill chunk, windows."""
-    paths = [isa for isa in blocks.isas() if isa != "generic"] or ["generic"]  # generic alone: not x86
+    order as the AVX-512 ones, and VDPBF16PS the same two per pair of dims, so an AVX2-only machine gets the bits an
+    AVX-512 one gets. The baseline (no fused multiply-add) is only close to them. Decode steps, a verify, a prefill
+    chunk, windows; fp32 queries over a bf16 cache are rounded to bf16 first, on every path."""
+    paths = vector_paths()
     torch.manual_seed(head_dim + heads)
     scale = head_dim ** -0.5
     for start, n, window in [(0, 9, 0), (37, 6, 20), (300, 1, 0), (1000, 3, 0), (400, 130, 0), (400, 130, 100)]:
         cache = (torch.randn(2, (start + n + 15) // 16 * 16, kv_heads, head_dim) * 3).to(kv_dtype)
-        q = (torch.randn(n, heads, head_dim) * 2).to(kv_dtype)
+        q = torch.randn(n, heads, head_dim) * 2
         keys, values = fused.forward_layout(cache)
         outs = {isa: fused.attend(q, keys, values, start, scale, window, isa) for isa in paths + ["generic"]}
         for isa in paths:
             assert torch.equal(outs[isa], outs[paths[0]]), (isa, start, n, window)
+            rounded = fused.attend(q.to(kv_dtype), keys, values, start, scale, window, isa)
+            assert torch.equal(rounded, outs[paths[0]]), (isa, start, n, window)
         # Outputs are averages of values of size ~3: rounding each product differs by far less than 1e-4.
         torch.testing.assert_close(outs["generic"], outs[paths[0]], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", DTYPES)
+def test_scores_whose_products_are_denormal_are_flushed_on_every_path(kv_dtype):
+    """VDPBF16PS flushes a denormal sum to zero whatever MXCSR says, so the other paths' multiply-adds flush
+    theirs: queries and keys of 2^-66 (normal numbers) have products of 2^-132 (denormal), every score is 0 and
+    each row's output is the plain mean of the values it sees, at a scale (2^120) that would have made the
+    unflushed scores differ."""
+    paths = vector_paths()
+    if paths == ["generic"]:
+        pytest.skip("no vector path on this CPU (the baseline flushes nothing)")
+    torch.manual_seed(3)
+    start, n, heads, kv_heads, head_dim = 40, 3, 8, 2, 64
+    cache = torch.randn(2, 48, kv_heads, head_dim)
+    cache[0] = cache[0].sign() * 2.0 ** -66
+    cache = cache.to(kv_dtype)
+    q = (torch.randn(n, heads, head_dim).sign() * 2.0 ** -66).to(kv_dtype)
+    keys, values = fused.forward_layout(cache)
+    for isa in paths:
+        got = fused.attend(q, keys, values, start, 2.0 ** 120, 0, isa).reshape(n, heads, head_dim)
+        for r in range(n):
+            mean = cache[1, : start + r + 1].float().mean(0).repeat_interleave(heads // kv_heads, dim=0)
+            torch.testing.assert_close(got[r], mean, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [0, 512])

@@ -79,8 +79,8 @@ def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start:
     """Causal attention of n decode rows: q [n, heads, head_dim] at positions start .. start + n - 1, over a
     layer's cache, keys and values [capacity, kv_heads, head_dim] (grouped-query: each KV head serves
     heads / kv_heads query heads). Row r attends to positions 0 .. start + r (with ``window``, the last
-    ``window`` of them): softmax(scale * q . k) v, in fp32; returns [n, heads * head_dim]. The C++ decode
-    step's attention (``attend``) computes this."""
+    ``window`` of them): softmax(scale * q . k) v, in fp32, q rounded to the cache's dtype first; returns
+    [n, heads * head_dim]. The C++ decode step's attention (``attend``) computes this."""
     n, heads, head_dim = q.shape
     groups = heads // keys.shape[1]
     rows = []
@@ -89,7 +89,8 @@ def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start:
         first = max(0, seen - window) if window else 0
         k = keys[first:seen].float().transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, seen, head_dim]
         v = values[first:seen].float().transpose(0, 1).repeat_interleave(groups, dim=0)
-        weights = torch.softmax(scale * (k @ q[r].float()[:, :, None])[..., 0], dim=-1)  # [heads, seen]
+        query = q[r].to(keys.dtype).float()
+        weights = torch.softmax(scale * (k @ query[:, :, None])[..., 0], dim=-1)  # [heads, seen]
         rows.append((weights[:, None, :] @ v)[:, 0].reshape(heads * head_dim))
     return torch.stack(rows)
 
@@ -127,7 +128,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     """The C++ forward's attention (``attend_ref``'s semantics, each row's bits whatever rows come with it), over a
     layer's keys and values in the forward's layout (``forward_layout``). isa: the block kernels' path beside
     which it runs (``blocks.isas()``; "" for ``blocks.isa()``): "avx2" and "avxvnni" run its AVX2 loops, "generic"
-    its baseline loops, the others the best this CPU has. Every path but the baseline gives the same bits."""
+    its baseline loops, the others the best this CPU has (with AVX-512 BF16, VDPBF16PS for a bf16 cache's scores;
+    "avx512f", where the CPU has AVX-512, the AVX-512 loops without it). Every path but the baseline gives the
+    same bits. With a bf16 cache, q is rounded to bf16 first."""
     return _native.attend(q, keys, values, start, scale, window, isa)
 
 

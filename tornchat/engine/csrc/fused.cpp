@@ -317,18 +317,21 @@ GATED_ON(gated_avx512, TARGET_AVX512, Vec)
 // lane its own sum over the dimensions, so there is no horizontal sum per key, and queries that share a KV head
 // (a step's grouped heads, a chunk's neighbouring rows) share each load of keys and values. The loops are compiled
 // once per instruction-set path (attend_path; vec.h), each product added to its sum in one fused multiply-add on
-// the vector paths, so that AVX2 and AVX-512 machines get the same bits.
+// the vector paths, so that AVX2 and AVX-512 machines get the same bits; with AVX-512 BF16 a bf16 cache's scores
+// take VDPBF16PS, whose two multiply-adds per pair of dims are the same operations.
 //
 // The semantics, per query q and position j (what attend_ref computes, up to fp32 rounding order):
-//   score_j = (sum over even i of q_i k_ji + sum over odd i of q_i k_ji) * scale, each sum in order of i;
+//   score_j = s * scale, s = one sum over the dims in order of pairs t, q_2t+1 k_j,2t+1 and then q_2t k_j,2t
+//             (denormals flushed to zero; with a bf16 cache q is a bf16 vector, so each product is exact);
 //   w_j = exp(score_j - max score), total = the 16-lane sums of w in order of 16-position groups, then a tree;
 //   out = (sum over even j of w_j v_j + sum over odd j of w_j v_j) / total, each sum in order of j.
 
 // Queries that share each load of keys and values, at most: 2 T accumulators in registers. AVX-512 has 32
-// registers of 16 lanes; AVX2 16 of 8, where the loops take the 16 lanes a half at a time (HalfOf), so that 6
-// queries' 12 sums, a pair of keys and a query's broadcast fit. 2026-11-28, AMD Zen 3, a 1B's 2,048-token
-// prefill: attention 1.1-1.2x faster than 2 queries with both halves at once (4 queries by halves: the same;
-// 2 with both halves was 1.45x one query). The baseline's tile is 1. A query's bits do not depend on its tile.
+// registers of 16 lanes; AVX2 16 of 8, where the loops over values take the 16 lanes a half at a time (HalfOf), so
+// that 6 queries' 12 sums, a pair of values and a weight's broadcast fit (the scores: 6 queries' two halves).
+// 2026-11-28, AMD Zen 3, a 1B's 2,048-token prefill: attention 1.1-1.2x faster than 2 queries with both halves at
+// once (4 queries by halves: the same; 2 with both halves was 1.45x one query). The baseline's tile is 1. A
+// query's bits do not depend on its tile.
 constexpr int TILE = 8, AVX2_TILE = 6, BASELINE_TILE = 1;
 
 // The vector the loops over keys and values hold in a register: a Halves type's half (its lanes 0 .. 7 are the
@@ -414,38 +417,91 @@ struct ValuePairs {
   }
 };
 
+// MXCSR's flush-to-zero and denormals-are-zero for a scope: VDPBF16PS flushes its inputs' and its sums'
+// denormals whatever MXCSR says, so the fused multiply-adds that stand for it elsewhere flush them too, and every
+// path's scores get the same bits, also where a product is tiny.
+struct FlushDenormals {
+#ifdef VEC_X86
+  unsigned saved = _mm_getcsr();
+  FlushDenormals() { _mm_setcsr(saved | 0x8040); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+#endif
+};
+
+// Query values 2t, 2t + 1 (bf16 values: attend_many's contract) as a pair of bf16 in one 32-bit word, the layout
+// of a key block's pair (key_at) and of VDPBF16PS's operands.
+inline uint32_t bf16_pair(const float* q, int64_t t) {
+  uint32_t even, odd;
+  std::memcpy(&even, q + 2 * t, 4);
+  std::memcpy(&odd, q + 2 * t + 1, 4);
+  return even >> 16 | (odd & 0xffff0000u);
+}
+inline float bf16_half(uint32_t pair, int half) {
+  const uint32_t bits = half ? pair & 0xffff0000u : pair << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 // Scores of T queries over key blocks 0 .. blocks - 1 of one KV head (keys: its first block), into
-// scores[m * scores_stride + 16 b ..]. A step's tile prefetches the head's values (head_values: its first block)
-// block by block meanwhile: a short cache's are then there when the weighted sum comes to them.
-template <typename F, int T, typename Kv>
+// scores[m * scores_stride + 16 b ..]. Each score is one chain of fused multiply-adds over the dims, pair t's dim
+// 2t + 1 and then dim 2t, flushing denormals: what VDPBF16PS does for a pair (DOT: the avx512bf16 path, on a bf16
+// cache, one instruction for a pair of dims of 16 keys where the others take two and split the pairs first).
+// With a bf16 cache the queries are bf16 values (attend_many's contract). A step's tile prefetches the head's values
+// (head_values: its first block) block by block meanwhile: a short cache's are then there when the weighted sum
+// comes to them.
+template <typename F, int T, bool DOT, typename Kv>
 inline __attribute__((always_inline)) void score_tile(const Query* queries, const Kv* keys, const Kv* head_values,
                                                       int64_t block_stride,
                                                       int64_t first_block, int64_t blocks, int64_t d, float scale,
                                                       float* scores, int64_t scores_stride) {
   using V = typename HalfOf<F>::type;
+  constexpr bool bf16 = std::is_same_v<Kv, BFloat16>;
+  constexpr bool dot = DOT && bf16;
+  const FlushDenormals flushed;
+  uint32_t pairs[dot ? T : 1][dot ? 128 : 1];  // VDPBF16PS's query pairs (d <= 256)
+  if constexpr (dot)
+    for (int m = 0; m < T; ++m)
+      for (int64_t t = 0; t < d / 2; ++t) pairs[m][t] = bf16_pair(queries[m].q, t);
+  constexpr int parts = HalfOf<F>::parts;
   for (int64_t b = first_block; b < blocks; ++b) {
     const Kv* block = keys + b * block_stride;
-    for (int part = 0; part < HalfOf<F>::parts; ++part) {
-      V even[T], odd[T];
-      for (int m = 0; m < T; ++m) even[m] = odd[m] = V{};
-      for (int64_t t = 0; t < d / 2; ++t) {
-        // A line per pair of dims: a block's keys (and values, as many bytes) over its d / 2 steps.
-        if (part == 0) {
-          __builtin_prefetch(block + AHEAD_BLOCKS * block_stride + 2 * t * KEY_BLOCK);
-          if constexpr (T <= STEP_TILE) __builtin_prefetch(head_values + b * block_stride + 2 * t * KEY_BLOCK);
+    // Both halves of a 16-lane vector in each pass over the dims (AVX2: 6 queries' 12 sums, a pair of keys and a
+    // broadcast fill the 16 registers): a sum's chain takes two dependent multiply-adds per pair of dims, and one
+    // half's 6 chains alone waited on them.
+    V acc[T][parts];
+    for (int m = 0; m < T; ++m)
+      for (int part = 0; part < parts; ++part) acc[m][part] = V{};
+    for (int64_t t = 0; t < d / 2; ++t) {
+      // A line per pair of dims: a block's keys (and values, as many bytes) over its d / 2 steps.
+      __builtin_prefetch(block + AHEAD_BLOCKS * block_stride + 2 * t * KEY_BLOCK);
+      if constexpr (T <= STEP_TILE) __builtin_prefetch(head_values + b * block_stride + 2 * t * KEY_BLOCK);
+      if constexpr (dot) {
+#ifdef VEC_X86
+        // The builtin, not _mm512_dpbf16_ps: a lambda (tile_stage's) is compiled for the default target whatever
+        // encloses it, and an intrinsic may not be inlined there; the builtin expands where the lambda is inlined.
+        typedef short Bf16Pairs __attribute__((vector_size(64)));
+        const auto k = bit_cast<Bf16Pairs>(load_vec<IntVec>(block + 2 * t * KEY_BLOCK));
+        for (int m = 0; m < T; ++m)
+          acc[m][0] = __builtin_ia32_dpbf16ps_v16sf(acc[m][0], k, bit_cast<Bf16Pairs>(IntVec{} + int32_t(pairs[m][t])));
+#endif
+      } else {
+        for (int part = 0; part < parts; ++part) {
+          // The queries' values read again for each half: GCC would otherwise hold both halves' broadcasts
+          // beside the sums and spill the sums (AVX2: 1.1x slower).
+          if constexpr (parts > 1) asm volatile("" ::: "memory");
+          V k0, k1;
+          key_pair(block, t, part, k0, k1);
+          for (int m = 0; m < T; ++m) {
+            acc[m][part] += queries[m].q[2 * t + 1] * k1;
+            acc[m][part] += queries[m].q[2 * t] * k0;
+          }
         }
-        V k0, k1;
-        key_pair(block, t, part, k0, k1);
-        for (int m = 0; m < T; ++m) {
-          even[m] += queries[m].q[2 * t] * k0;
-          odd[m] += queries[m].q[2 * t + 1] * k1;
-        }
-      }
-      for (int m = 0; m < T; ++m) {
-        const V s = (even[m] + odd[m]) * scale;
-        store_vec(scores + m * scores_stride + b * KEY_BLOCK + part * lanes_of<V>, s);
       }
     }
+    for (int m = 0; m < T; ++m)
+      for (int part = 0; part < parts; ++part)
+        store_vec(scores + m * scores_stride + b * KEY_BLOCK + part * lanes_of<V>, acc[m][part] * scale);
   }
 }
 
@@ -568,19 +624,19 @@ inline __attribute__((always_inline)) void weigh_values(const Query* queries, co
 // split (attend_many runs a tile whole, or shares each stage between threads).
 enum class Stage { whole, scores, softmax, values };
 
-template <typename F, int T, int WIDE, typename Kv>
+template <typename F, int T, int WIDE, bool DOT, typename Kv>
 inline __attribute__((always_inline)) void tile_stage(Stage stage, const Query* queries, int64_t count,
                                                       const Kv* keys, const Kv* values, int64_t h,
                                                       int64_t kv_heads, int64_t d, float scale, float* scores,
                                                       float* inverse, int64_t from, int64_t to) {
   if constexpr (T > 1)
     if (count < T)
-      return tile_stage<F, T - 1, WIDE>(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse,
-                                        from, to);
+      return tile_stage<F, T - 1, WIDE, DOT>(stage, queries, count, keys, values, h, kv_heads, d, scale, scores,
+                                             inverse, from, to);
   const Span span = span_of(queries, T);
   const auto scores_of = [&](int64_t first, int64_t last) __attribute__((always_inline)) {
-    score_tile<F, T>(queries, keys, values + h * KEY_BLOCK * d, kv_heads * d * KEY_BLOCK, std::max(first, span.first_block),
-                     std::min(last, span.blocks), d, scale, scores, span.width);
+    score_tile<F, T, DOT>(queries, keys, values + h * KEY_BLOCK * d, kv_heads * d * KEY_BLOCK,
+                          std::max(first, span.first_block), std::min(last, span.blocks), d, scale, scores, span.width);
   };
   const auto softmax = [&](int64_t m) __attribute__((always_inline)) {
     return softmax_row<F>(scores + m * span.width, span.first_block * KEY_BLOCK, queries[m].first, queries[m].seen);
@@ -600,36 +656,82 @@ inline __attribute__((always_inline)) void tile_stage(Stage stage, const Query* 
 }
 
 // tile_stage compiled for each instruction-set path (vec.h), each with its vectors, tile and the tiles that
-// sum two chunks per pass (WIDE: up to that many queries); the vector paths give the same bits.
-#define ATTEND_ON(NAME, TARGET, F, T, WIDE)                                                                         \
+// sum two chunks per pass (WIDE: up to that many queries), and VDPBF16PS for a bf16 cache's scores (DOT); the
+// vector paths give the same bits.
+#define ATTEND_ON(NAME, TARGET, F, T, WIDE, DOT)                                                                       \
   template <typename Kv>                                                                                            \
   TARGET void NAME(Stage stage, const Query* queries, int64_t count, const Kv* keys, const Kv* values, int64_t h,   \
                    int64_t kv_heads, int64_t d, float scale, float* scores, float* inverse, int64_t from,           \
                    int64_t to) {                                                                                    \
-    tile_stage<F, T, WIDE>(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse, from, to);  \
+    tile_stage<F, T, WIDE, DOT>(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse, from, \
+                                to);                                                                                \
   }
-ATTEND_ON(attend_baseline, , Halves<Halves<Vec4>>, BASELINE_TILE, 0)
+ATTEND_ON(attend_baseline, , Halves<Halves<Vec4>>, BASELINE_TILE, 0, false)
 #ifdef VEC_X86
-ATTEND_ON(attend_avx2, TARGET_AVX2, Halves<Vec8>, AVX2_TILE, 0)
-ATTEND_ON(attend_avx512, TARGET_AVX512, Vec, TILE, STEP_TILE)
+ATTEND_ON(attend_avx2, TARGET_AVX2, Halves<Vec8>, AVX2_TILE, 0, false)
+ATTEND_ON(attend_avx512, TARGET_AVX512, Vec, TILE, STEP_TILE, false)
+ATTEND_ON(attend_avx512bf16, TARGET_AVX512BF16, Vec, TILE, STEP_TILE, true)
 #endif
 #undef ATTEND_ON
 
-enum class AttendPath { baseline, avx2, avx512 };
+// Whether this CPU's VDPBF16PS is the two fused multiply-adds score_tile takes it for (dim 2t + 1's product, then
+// dim 2t's, each rounded to nearest even; the Intel SDM's definition, and what an AMD Zen 4 does): checked on pairs
+// whose products cancel the sum and on sums of every size, so that a CPU whose instruction rounds otherwise keeps
+// the avx512 path and the same bits as an AVX2 machine.
+#ifdef VEC_X86
+TARGET_AVX512BF16 bool bf16_dot_is_two_fmas() {
+  uint32_t state = 12345;
+  const auto next = [&] { return state = state * 1664525u + 1013904223u; };
+  const auto value = [&](int spread) {  // a normal bf16 of either sign, exponent within 2^(+-spread)
+    const uint32_t r = next();
+    const uint32_t exponent = 127 + static_cast<int32_t>(r >> 8 & 63) % (2 * spread + 1) - spread;
+    return static_cast<uint16_t>((r >> 31) << 15 | exponent << 7 | (r >> 16 & 0x7f));
+  };
+  const auto widen = [](uint16_t h) { return bf16_half(static_cast<uint32_t>(h) << 16, 1); };
+  for (int round = 0; round < 256; ++round) {
+    alignas(64) uint16_t a[32], b[32];
+    alignas(64) float acc[16], got[16];
+    for (int i = 0; i < 32; ++i) a[i] = value(20), b[i] = value(20);
+    for (int i = 0; i < 16; ++i) {
+      const float odd = widen(a[2 * i + 1]) * widen(b[2 * i + 1]), even = widen(a[2 * i]) * widen(b[2 * i]);
+      acc[i] = round % 4 == 0 ? -odd : round % 4 == 1 ? -even : widen(value(30));
+    }
+    _mm512_store_ps(got, _mm512_dpbf16_ps(_mm512_load_ps(acc), (__m512bh)_mm512_load_si512(a),
+                                          (__m512bh)_mm512_load_si512(b)));
+    for (int i = 0; i < 16; ++i) {
+      const float want = std::fma(widen(a[2 * i]), widen(b[2 * i]),
+                                  std::fma(widen(a[2 * i + 1]), widen(b[2 * i + 1]), acc[i]));
+      if (std::memcmp(&want, &got[i], 4) != 0) return false;
+    }
+  }
+  return true;
+}
+#endif
+
+enum class AttendPath { baseline, avx2, avx512, avx512bf16 };
 
 // The path attention takes beside the block kernels' path isa ("" for block_isa(), which TORNCHAT_ISA sets): the
 // best this CPU runs, lowered with the block kernels where they are lowered, so that TORNCHAT_ISA=avx2 runs the
-// AVX2 loops on any machine ("generic": the baseline, whose bits may differ: no fused multiply-add).
+// AVX2 loops on any machine ("generic": the baseline, whose bits may differ: no fused multiply-add). Where the
+// CPU's VDPBF16PS is what score_tile takes it for, the best takes it; "avx512f" names the AVX-512 loops without it,
+// for the tests to compare both on such a CPU.
 AttendPath attend_path(const std::string& isa) {
   const auto isas = tornchat::block_isas();
+#ifdef VEC_X86
+  if (isa == "avx512f" && __builtin_cpu_supports("avx512f")) return AttendPath::avx512;
+#endif
   TORCH_CHECK(isa.empty() || std::find(isas.begin(), isas.end(), isa) != isas.end(), "isa='", isa,
               "' is not an instruction-set path this CPU runs");
 #ifdef VEC_X86
   const std::string chosen = isa.empty() ? tornchat::block_isa() : isa;
   __builtin_cpu_init();
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const AttendPath best = !avx2 ? AttendPath::baseline
-                          : __builtin_cpu_supports("avx512f") ? AttendPath::avx512 : AttendPath::avx2;
+  static const bool bf16_dot = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16") &&
+                               bf16_dot_is_two_fmas();
+  const AttendPath best = !avx2                                ? AttendPath::baseline
+                          : bf16_dot                           ? AttendPath::avx512bf16
+                          : __builtin_cpu_supports("avx512f") ? AttendPath::avx512
+                                                               : AttendPath::avx2;
   if (chosen == "generic") return AttendPath::baseline;
   if ((chosen == "avx2" || chosen == "avxvnni") && chosen != isas.front())
     return std::min(best, AttendPath::avx2);
@@ -645,7 +747,7 @@ template <bool GELU, typename T>
 void gated_on(AttendPath path, const T* gate_up, T* out, int64_t rows, int64_t width) {
   tornchat::team::parallel_for(0, rows, ROW_GRAIN, [&](int64_t first, int64_t last) {
 #ifdef VEC_X86
-    if (path == AttendPath::avx512) return gated_avx512<GELU>(gate_up, out, first, last, width);
+    if (path >= AttendPath::avx512) return gated_avx512<GELU>(gate_up, out, first, last, width);
     if (path == AttendPath::avx2) return gated_avx2<GELU>(gate_up, out, first, last, width);
 #endif
     gated_baseline<GELU>(gate_up, out, first, last, width);
@@ -677,6 +779,8 @@ void stage_on(AttendPath path, Stage stage, const Query* queries, int64_t count,
               int64_t h, int64_t kv_heads, int64_t d, float scale, float* scores, float* inverse, int64_t from,
               int64_t to) {
 #ifdef VEC_X86
+  if (path == AttendPath::avx512bf16)
+    return attend_avx512bf16(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse, from, to);
   if (path == AttendPath::avx512)
     return attend_avx512(stage, queries, count, keys, values, h, kv_heads, d, scale, scores, inverse, from, to);
   if (path == AttendPath::avx2)
@@ -705,6 +809,8 @@ struct LayerCache {
 // Rows of several sequences in one call (a batch of generations): sequence s has counts[s] consecutive rows of q
 // at positions starts[s] .. over its own cache, caches[s] of kv_heads heads (bf16, else fp32). q [rows, heads,
 // head_dim] (fp32 or bf16).
+// With a bf16 cache q's values must be bf16 values (rope_store_rows rounds them so; attend rounds q): the scores'
+// pairs of bf16 are then exact, whichever instructions take them.
 // Returns fp32 [rows, heads * head_dim]: each row attended over its sequence's positions up to its own,
 // softmax(scale * q . k) v, as fused.attend_ref computes it, the same bits whatever else is in the call. window: 0,
 // or how many positions, its own included, a row sees (the last ones: a sliding-window layer). path: attend_path's.
@@ -718,7 +824,7 @@ at::Tensor attend_many(const at::Tensor& q, const std::vector<LayerCache>& cache
   const int64_t rows = queries.size(0), heads = queries.size(1), d = queries.size(2);
   TORCH_CHECK(seqs > 0, "no sequence");
   const int64_t groups = heads / kv_heads;
-  const int64_t tile_size = path == AttendPath::avx512 ? TILE : path == AttendPath::avx2 ? AVX2_TILE : BASELINE_TILE;
+  const int64_t tile_size = path >= AttendPath::avx512 ? TILE : path == AttendPath::avx2 ? AVX2_TILE : BASELINE_TILE;
   TORCH_CHECK(heads % kv_heads == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(d % LANES == 0 && d <= 16 * LANES, "head_dim must be a multiple of 16, at most 256");
   // Each sequence's KV heads' queries, (row, grouped head) in order, in tiles of tile_size: a step's grouped
@@ -826,8 +932,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& keys, const at::Tensor&
   TORCH_CHECK(values.scalar_type() == keys.scalar_type() && values.sizes() == keys.sizes() && keys.dim() == 3,
               "keys and values must share a dtype and a shape [capacity, kv_heads, head_dim]");
   TORCH_CHECK(q.dim() == 3 && keys.size(2) == q.size(2), "q must be [n, heads, head_dim] of the cache's head_dim");
-  return attend_many(q, {LayerCache{keys.data_ptr(), values.data_ptr(), keys.size(0)}}, keys.size(1), bf16, {start},
-                     {q.size(0)}, scale, window, attend_path(isa));
+  return attend_many(bf16 ? q.to(at::kBFloat16) : q, {LayerCache{keys.data_ptr(), values.data_ptr(), keys.size(0)}},
+                     keys.size(1), bf16, {start}, {q.size(0)}, scale, window, attend_path(isa));
 }
 
 // A projection: its weights' parts in their GGML types (blocks.h), each row computed as if alone.

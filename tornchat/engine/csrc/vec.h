@@ -17,6 +17,7 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #define VEC_X86 1
 #define TARGET_AVX512 __attribute__((target("avx2,fma,avx512f")))
+#define TARGET_AVX512BF16 __attribute__((target("avx2,fma,avx512f,avx512bf16")))
 #define TARGET_AVX2 __attribute__((target("avx2,fma")))
 #endif
 
