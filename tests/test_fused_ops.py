@@ -164,8 +164,8 @@ def test_attend_is_the_reference_and_each_row_is_as_if_alone(kv_dtype, heads, kv
 
 def vector_paths() -> list[str]:
     """The attention paths a test can name on this CPU: the block kernels' (not generic), and "avx512f" where the
-    CPU has AVX-512: on a CPU with AVX-512 BF16 the others take VDPBF16PS for a bf16 cache's scores, and it the
-    multiply-adds that stand for it elsewhere."""
+    CPU has AVX-512: on a CPU with AVX-512 BF16 the AVX-512 paths take VDPBF16PS for a bf16 cache's scores, and
+    "avx512f" the AVX-512 loops without it, so that those are compared too."""
     paths = [isa for isa in blocks.isas() if isa != "generic"]
     return paths + ["avx512f"] * bool({"avx512vnni", "amx"} & set(paths)) or ["generic"]  # generic alone: not x86
 
@@ -201,7 +201,7 @@ def test_scores_whose_products_are_denormal_are_flushed_on_every_path(kv_dtype):
     unflushed scores differ."""
     paths = vector_paths()
     if paths == ["generic"]:
-        pytest.skip("no vector path on this CPU (the baseline flushes nothing)")
+        pytest.skip("no vector path on this CPU (the baseline's loops flush nothing off x86)")
     torch.manual_seed(3)
     start, n, heads, kv_heads, head_dim = 40, 3, 8, 2, 64
     cache = torch.randn(2, 48, kv_heads, head_dim)
