@@ -1,6 +1,7 @@
 """Parallel requests decoded together (Engine(parallel=N), --parallel): one forward serves every running
 generation, and each reply is the one its request gets alone (the C++ forward computes every row by itself)."""
 import queue
+import threading
 
 import pytest
 
@@ -105,3 +106,36 @@ def test_drafts_are_weighed_against_the_generations_sharing_the_step(smol, runne
         assert max(seen) == 4 and four.batch.largest == 4
     finally:
         four.close()
+
+
+def test_a_steps_events_are_handed_on_once_every_generation_in_it_has_moved_on(smol, runner):
+    """Two identical greedy requests decode in lockstep; each event is handed on only after the whole step,
+    so the k-th events of both see the same count of decode steps (the one before the other had it counted:
+    the server's IOLoop, woken by the first, took the GIL from the worker in the middle of the step). A
+    receiver that raises is logged and the worker goes on."""
+    stops = prompt.stop_token_ids(smol.tokenizer, smol.generation_config)
+    three = Engine(runner, smol.tokenizer, stops, SlotPool(runner, 4, 1 << 30), parallel=3)
+    try:
+        gate = threading.Event()
+        request = requests(smol)[0]
+        three.submit(GenerationRequest(request.prompt_ids, max_tokens=2), lambda e: gate.wait(30) and 1 / 0)
+        while three.queue_depth():
+            pass
+        seen: list[list[int]] = [[], []]
+        done = [threading.Event(), threading.Event()]
+
+        def receiver(i):
+            def on_event(event):
+                seen[i].append(three.stats.counters["decode_steps"])
+                if event.is_last:
+                    done[i].set()
+            return on_event
+
+        for i in range(2):  # both wait while the first request holds the worker: admitted together
+            three.submit(request, receiver(i))
+        gate.set()
+        assert done[0].wait(120) and done[1].wait(120)
+        assert len(seen[0]) > 3 and seen[0] == seen[1]
+        assert three.stats.counters["completed"] == 3
+    finally:
+        three.close()
