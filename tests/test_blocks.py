@@ -232,10 +232,10 @@ def test_grouped_rows_give_the_files_bits(type_name):
                 assert torch.equal(got, want[:rows]), (isa, k, rows)
 
 
-PANELABLE = ("Q4_0", "Q4_1", "Q8_0", "Q4_K")
+PANELABLE = ("Q4_0", "Q4_1", "Q8_0")
 
 
-@pytest.mark.parametrize("type_name", PANELABLE[:3])
+@pytest.mark.parametrize("type_name", PANELABLE)
 def test_panel_layout(type_name):
     """csrc/blocks.h's panel layout: the C++ rearrangement is ggml.panel's, unpaneling gives the file's bytes
     back, and the values are the file's; 16 rows' block b in one slot, the slots in lane order (b = 0, 8, .., 1,
@@ -270,40 +270,12 @@ def test_panel_layout(type_name):
         ggml.panel(make_part(type_name, 24, 64), type_name)
 
 
-def test_q4_k_panel_layout():
-    """Q4_K's panel layout: the C++ rearrangement is ggml.panel's and back; a slot per sub-block j and super-block
-    (j-major) holds the 16 rows' levels, byte i of a row's 16 holding features i and 16 + i; after the slots, per
-    super-block the rows' d, dmin, and their scale bytes byte by byte."""
-    for k in (256, 512, 2048):
-        part = make_part("Q4_K", 32, k, seed=k)
-        paneled = ggml.panel(part, "Q4_K")
-        assert not torch.equal(paneled, part) and torch.equal(ggml.ungroup(paneled, "Q4_K_P16"), part), k
-        assert torch.equal(ggml.values(paneled, "Q4_K_P16"), ggml.dequantize(part, "Q4_K")), k
-        if blocks.available():
-            native = part.clone()
-            blocks._native().panel_blocks(native, blocks.TYPE_IDS["Q4_K"])
-            back, back_type = blocks.ungroup(native, "Q4_K_P16")
-            assert torch.equal(native, paneled) and torch.equal(back, part) and back_type == "Q4_K", k
-    supers = 2  # K = 512
-    part = make_part("Q4_K", 32, 256 * supers, seed=3)
-    slab = ggml.panel(part, "Q4_K").reshape(2, -1)[1]  # rows 16-31
-    file_super = part.reshape(32, supers, 144)[16 + 5, 1]  # row 5 of the slab, its super-block 1
-    sub_block_3 = file_super[16:].reshape(4, 32)[1] >> 4  # the file's bytes 32..63 hold sub-block 3 in high nibbles
-    slot = slab[(3 * supers + 1) * 256 : (3 * supers + 2) * 256]  # sub-block 3 of super-block 1
-    row_bytes = torch.cat([slot[64 * w + 4 * 5 : 64 * w + 4 * 5 + 4] for w in range(4)])
-    assert torch.equal(row_bytes & 15, sub_block_3[:16]) and torch.equal(row_bytes >> 4, sub_block_3[16:])
-    meta = slab[8 * supers * 256 + 256 :]  # super-block 1's
-    assert torch.equal(meta[2 * 5 : 2 * 5 + 2], file_super[0:2]) and torch.equal(meta[32 + 10 : 32 + 12], file_super[2:4])
-    assert meta[64 + 16 * 7 + 5] == file_super[4 + 7]  # scale byte 7
-
-
 @pytest.mark.skipif("avx512vnni" not in isas(), reason="the panel layout is the avx512vnni path's")
 @pytest.mark.parametrize("type_name", PANELABLE)
 def test_paneled_rows_give_the_files_bits(type_name):
     """A paneled part's products are the file's, bit for bit, at any number of rows (its tiles of up to 8 rows,
-    and from PANEL_ROWS the panels), beside parts in other layouts, at K with and without a short last group
-    (Q4_K: whole super-blocks)."""
-    for k in (256, 512, 1536) if type_name == "Q4_K" else (256, 288, 576, 416, 1536):
+    and from PANEL_ROWS the panels), beside parts in other layouts, at K with and without a short last group."""
+    for k in (256, 288, 576, 416, 1536):
         part = make_part(type_name, 48, k, seed=k + 1)
         other = make_part("Q4_1", 20, k, seed=k + 2)
         x = torch.randn(70, k, generator=torch.Generator().manual_seed(k))

@@ -39,9 +39,8 @@ _ALL, _Q4 = tuple(ggml.GROUPED.values()), ("Q4_0", "Q4_1", "Q4_K")
 GROUPING = {"avx2": _ALL, "avxvnni": _ALL, "avx512vnni": _Q4, "amx": _Q4}
 # The types each path reads in the panel layout (ggml.panel) where a part allows it (grouped_type's panels):
 # avx512vnni's 32-value types, whose tiles of 4 columns spent at K = 576 about 40% of their time outside the dot
-# products (2026-12-06, AMD Zen 4: the 135M's Q4_1 products 0.51-0.57x the time at 1 to 16 rows), and Q4_K (the
-# 1B's products at 1, 2, 4, 8, 64 and 512 rows 0.63, 0.66, 0.72, 0.77, 0.89 and 0.97x the time, same CPU, later).
-PANELING = {"avx512vnni": ("Q4_0", "Q4_1", "Q8_0", "Q4_K")}
+# products (2026-12-06, AMD Zen 4: the 135M's Q4_1 products 0.51-0.57x the time at 1 to 16 rows).
+PANELING = {"avx512vnni": ("Q4_0", "Q4_1", "Q8_0")}
 QK = 32  # features per activation block
 
 

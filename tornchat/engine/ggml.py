@@ -41,12 +41,11 @@ TYPES = {t.name: t for t in [
     BlockType("Q4_0_G8", 32, 18), BlockType("Q4_1_G8", 32, 20), BlockType("Q8_0_G8", 32, 34),
     BlockType("Q4_K_G8", 256, 144), BlockType("Q6_K_G8", 256, 210),
     BlockType("Q4_0_P16", 32, 18), BlockType("Q4_1_P16", 32, 20), BlockType("Q8_0_P16", 32, 34),
-    BlockType("Q4_K_P16", 256, 144),
 ]}
 # Our grouped layouts (``group``) and panel layouts (``panel``), and the file's types they rearrange.
 GROUPED = {"Q4_0_G8": "Q4_0", "Q4_1_G8": "Q4_1", "Q8_0_G8": "Q8_0", "Q4_K_G8": "Q4_K", "Q6_K_G8": "Q6_K",
-           "Q4_0_P16": "Q4_0", "Q4_1_P16": "Q4_1", "Q8_0_P16": "Q8_0", "Q4_K_P16": "Q4_K"}
-PANELED = ("Q4_0_P16", "Q4_1_P16", "Q8_0_P16", "Q4_K_P16")
+           "Q4_0_P16": "Q4_0", "Q4_1_P16": "Q4_1", "Q8_0_P16": "Q8_0"}
+PANELED = ("Q4_0_P16", "Q4_1_P16", "Q8_0_P16")
 INT4 = ("Q4_0", "Q4_1", "Q4_K")  # 4-bit levels with, per group of 32 values, value = level * scale + low
 FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -126,47 +125,19 @@ def ungroup(raw: torch.Tensor, type_name: str) -> torch.Tensor:
 
 
 def panel(raw: torch.Tensor, type_name: str) -> torch.Tensor:
-    """Q4_0, Q4_1, Q8_0 or Q4_K rows [N, row_bytes], N a multiple of 16, in our panel layout (type ``type_name +
+    """Q4_0, Q4_1 or Q8_0 rows [N, row_bytes], N a multiple of 16, in our panel layout (type ``type_name +
     "_P16"``, csrc/blocks.h): the same bytes and values, every 16 rows' blocks together, a slot of 16 blocks'
     bytes per block index b, in the order b = 0, 8, 16, .., 1, 9, .. (lane j's blocks j, j + 8, ..): the 16 rows'
     fp16 d, (Q4_1) their fp16 minimums, then per 4-byte word w of a block's levels (Q4: 4, Q8_0: 8) the 16 rows'
-    words, row i's at 4i. Q4_K: its sub-blocks are the blocks, and a slot holds their levels alone, each byte i
-    of a row's 16 holding features i and 16 + i as Q4_1's do; after the 8 * N / 256 slots, per super-block the 16
-    rows' fp16 d, their fp16 dmin, then its 12 bytes of scales byte by byte, the 16 rows' byte s at 16s."""
-    if type_name not in ("Q4_0", "Q4_1", "Q8_0", "Q4_K"):
-        raise ValueError(f"the panel layout is Q4_0's, Q4_1's, Q8_0's and Q4_K's, not {type_name}'s")
+    words, row i's at 4i."""
+    if type_name not in ("Q4_0", "Q4_1", "Q8_0"):
+        raise ValueError(f"the panel layout is Q4_0's, Q4_1's and Q8_0's, not {type_name}'s")
     if raw.shape[0] % 16:
         raise ValueError(f"the panel layout takes rows in slabs of 16, not {raw.shape[0]}")
     return _repanel(raw, type_name, to_panels=True)
 
 
-def _repanel_q4k(raw: torch.Tensor, to_panels: bool) -> torch.Tensor:
-    n, row_bytes = raw.shape
-    slabs, supers = n // 16, row_bytes // 144
-    if to_panels:
-        by_super = raw.reshape(slabs, 16, supers, 144)
-        qs = by_super[..., 16:].reshape(slabs, 16, supers, 4, 32)  # 32 bytes: sub-blocks 2c and 2c + 1 in nibbles
-        levels = torch.stack([qs & 15, qs >> 4], dim=4).reshape(slabs, 16, supers, 8, 32)
-        nibbles = levels[..., :16] | (levels[..., 16:] << 4)  # [slab, row, super, sub-block, 16]
-        slots = nibbles.reshape(slabs, 16, supers, 8, 4, 4).permute(0, 3, 2, 4, 1, 5)  # [slab, j, super, word, row, 4]
-        heads = [by_super[..., f : f + 2].transpose(1, 2).reshape(slabs, supers, 32) for f in (0, 2)]
-        scales = by_super[..., 4:16].permute(0, 2, 3, 1).reshape(slabs, supers, 192)
-        meta = torch.cat([*heads, scales], dim=-1)
-        return torch.cat([slots.reshape(slabs, -1), meta.reshape(slabs, -1)], dim=-1).reshape(n, row_bytes)
-    slab = raw.reshape(slabs, 16 * row_bytes)
-    nibbles = slab[:, : supers * 2048].reshape(slabs, 8, supers, 4, 16, 4).permute(0, 4, 2, 1, 3, 5)
-    levels = torch.cat([nibbles.reshape(slabs, 16, supers, 8, 16) & 15, nibbles.reshape(slabs, 16, supers, 8, 16) >> 4], -1)
-    pairs = levels.reshape(slabs, 16, supers, 4, 2, 32)
-    qs = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(slabs, 16, supers, 128)
-    meta = slab[:, supers * 2048 :].reshape(slabs, supers, 256)
-    heads = [meta[..., f : f + 32].reshape(slabs, supers, 16, 2).transpose(1, 2) for f in (0, 32)]
-    scales = meta[..., 64:].reshape(slabs, supers, 12, 16).permute(0, 3, 1, 2)
-    return torch.cat([*heads, scales, qs], dim=-1).reshape(n, row_bytes)
-
-
 def _repanel(raw: torch.Tensor, type_name: str, to_panels: bool) -> torch.Tensor:
-    if type_name == "Q4_K":
-        return _repanel_q4k(raw, to_panels)
     block = TYPES[type_name].bytes
     head = 4 if type_name == "Q4_1" else 2
     words = (block - head) // 4

@@ -56,11 +56,10 @@
 // reads Q6_K and Q8_0 faster in the file's layout); every path computes either layout. A grouped row's short
 // last group of one or two blocks (K = 576: 18 blocks) is taken for a tile's 4 columns at once, as one
 // transposed group (short_tail; the AVX-512 tiles too, in 256-bit vectors).
-// Q4_0, Q4_1, Q8_0 and Q4_K parts whose rows come in slabs of 16 may come paneled (blocks.h panel_blocks,
-// blocks.py's PANELING: the avx512vnni path alone): 16 columns' block b in one slot, so that every row count takes
-// the panels' arithmetic, 16 columns a VPDPBUSD, straight from the nibbles (p16_tile; from PANEL_ROWS rows
-// vnni_columns on the slots unpacked: pack_p16), with no transpose and no per-column sum of lanes (Q4_K's scales
-// unpacked for 16 columns at once, from each super-block's scale bytes stored byte by byte).
+// Q4_0, Q4_1 and Q8_0 parts whose rows come in slabs of 16 may come paneled (blocks.h panel_blocks, blocks.py's
+// PANELING: the avx512vnni path alone): 16 columns' block b in one slot, so that every row count takes the
+// panels' arithmetic, 16 columns a VPDPBUSD, straight from the nibbles (p16_tile; from PANEL_ROWS rows
+// vnni_columns on the slots unpacked: pack_p16), with no transpose and no per-column sum of lanes.
 // The "amx" path is avx512vnni's with every 16 rows on AMX tiles: TDPBUSD gives one block's exact dots for
 // 16 columns x 16 rows, then the same fp32 operations (amx_columns, on the same panels), so it too gives the
 // same bits; block_isas() lists it first where the CPU and the kernel (arch_prctl ARCH_REQ_XCOMP_PERM) allow
@@ -133,7 +132,7 @@ inline bool type_info(int64_t type, TypeInfo& info) {
     case Q5_0: info = {32, 22}; return true;
     case Q5_1: info = {32, 24}; return true;
     case Q8_0: case Q8_0_G8: case Q8_0_P16: info = {32, 34}; return true;
-    case Q4_K: case Q4_K_G8: case Q4_K_P16: info = {256, 144}; return true;
+    case Q4_K: case Q4_K_G8: info = {256, 144}; return true;
     case Q5_K: info = {256, 176}; return true;
     case Q6_K: case Q6_K_G8: info = {256, 210}; return true;
     default: return false;
@@ -797,66 +796,14 @@ void repanel_rows(const uint8_t* from, uint8_t* to, int64_t nb, int64_t type, bo
       }
 }
 
-// The same for 16 rows of Q4_K (nb blocks of 32 a row: nb / 8 super-blocks): per sub-block j and super-block s
-// a slot of the rows' levels, byte i of a row's 16 holding features i and 16 + i (the file's 32 bytes at 32c hold
-// sub-blocks 2c and 2c + 1 in their low and high nibbles, feature l at byte l), then per super-block the rows'
-// d, dmin and scale bytes.
-void repanel_q4k_rows(const uint8_t* from, uint8_t* to, int64_t nb, bool to_panels) {
-  const int64_t supers = nb / 8, row_bytes = supers * 144;
-  uint8_t* meta = (to_panels ? to : const_cast<uint8_t*>(from)) + supers * 2048;
-  for (int64_t i = 0; i < 16; ++i)
-    for (int64_t s = 0; s < supers; ++s) {
-      const int64_t file = i * row_bytes + s * 144;
-      uint8_t* m = meta + s * 256;
-      const auto move = [&](int64_t file_at, uint8_t* panel, int64_t n) {
-        if (to_panels) std::memcpy(panel, from + file + file_at, n);
-        else std::memcpy(to + file + file_at, panel, n);
-      };
-      move(0, m + 2 * i, 2);  // d
-      move(2, m + 32 + 2 * i, 2);  // dmin
-      for (int64_t b = 0; b < 12; ++b) move(4 + b, m + 64 + 16 * b + i, 1);
-      for (int64_t c = 0; c < 4; ++c)
-        for (int64_t half = 0; half < 16; half += 8) {  // 8 bytes of each sub-block's 16 at a time
-          uint8_t* even = (to_panels ? to : const_cast<uint8_t*>(from)) + ((2 * c) * supers + s) * 256;
-          uint8_t* odd = even + supers * 256;
-          uint64_t e, o;  // bytes half.. of sub-blocks 2c and 2c + 1, two 4-byte words each, row i's at 4i
-          if (to_panels) {
-            uint64_t lo, hi;  // the file's bytes half.. and 16 + half..
-            std::memcpy(&lo, from + file + 16 + 32 * c + half, 8);
-            std::memcpy(&hi, from + file + 16 + 32 * c + 16 + half, 8);
-            constexpr uint64_t low = 0x0f0f0f0f0f0f0f0full;
-            e = (lo & low) | (hi & low) << 4, o = (lo >> 4 & low) | (hi & ~low);
-            for (int64_t w = 0; w < 2; ++w) {
-              std::memcpy(even + 64 * (half / 4 + w) + 4 * i, reinterpret_cast<uint8_t*>(&e) + 4 * w, 4);
-              std::memcpy(odd + 64 * (half / 4 + w) + 4 * i, reinterpret_cast<uint8_t*>(&o) + 4 * w, 4);
-            }
-          } else {
-            for (int64_t w = 0; w < 2; ++w) {
-              std::memcpy(reinterpret_cast<uint8_t*>(&e) + 4 * w, even + 64 * (half / 4 + w) + 4 * i, 4);
-              std::memcpy(reinterpret_cast<uint8_t*>(&o) + 4 * w, odd + 64 * (half / 4 + w) + 4 * i, 4);
-            }
-            constexpr uint64_t low = 0x0f0f0f0f0f0f0f0full;
-            const uint64_t lo = (e & low) | (o & low) << 4, hi = (e >> 4 & low) | (o & ~low);
-            std::memcpy(to + file + 16 + 32 * c + half, &lo, 8);
-            std::memcpy(to + file + 16 + 32 * c + 16 + half, &hi, 8);
-          }
-        }
-    }
-}
-
 int64_t paneled_blocks(const at::Tensor& part, int64_t type) {
-  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K,
-              "the panel layout is Q4_0's, Q4_1's, Q8_0's and Q4_K's, not type ", type, "'s");
-  const int64_t bytes = type == Q4_K ? 144 : GroupedAt(type).bytes;
+  TORCH_CHECK(type == Q4_0 || type == Q4_1 || type == Q8_0, "the panel layout is Q4_0's, Q4_1's and Q8_0's, not type ",
+              type, "'s");
+  const int64_t bytes = GroupedAt(type).bytes;
   TORCH_CHECK(part.device().is_cpu() && part.scalar_type() == at::kByte && part.dim() == 2 && part.is_contiguous() &&
                   part.size(1) % bytes == 0 && part.size(0) % 16 == 0,
               "a part must be a contiguous CPU uint8 tensor [N, row_bytes] of whole blocks, N a multiple of 16");
-  return part.size(1) / bytes * (type == Q4_K ? 8 : 1);
-}
-
-void repanel(const uint8_t* from, uint8_t* to, int64_t nb, int64_t type, bool to_panels) {
-  if (type == Q4_K) repanel_q4k_rows(from, to, nb, to_panels);
-  else repanel_rows(from, to, nb, type, to_panels);
+  return part.size(1) / bytes;
 }
 
 }  // namespace
@@ -868,7 +815,7 @@ void panel_blocks(at::Tensor part, int64_t type) {
     std::vector<uint8_t> rows(slab);
     for (int64_t s = s0; s < s1; ++s) {
       std::memcpy(rows.data(), data + s * slab, slab);
-      repanel(rows.data(), data + s * slab, nb, type, true);
+      repanel_rows(rows.data(), data + s * slab, nb, type, true);
     }
   });
 }
@@ -879,7 +826,7 @@ at::Tensor unpanel_blocks(const at::Tensor& part, int64_t type) {
   const uint8_t* from = part.data_ptr<uint8_t>();
   uint8_t* to = out.data_ptr<uint8_t>();
   at::parallel_for(0, part.size(0) / 16, 4, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) repanel(from + s * slab, to + s * slab, nb, type, false);
+    for (int64_t s = s0; s < s1; ++s) repanel_rows(from + s * slab, to + s * slab, nb, type, false);
   });
   return out;
 }
@@ -898,9 +845,9 @@ void define_blocks(pybind11::module_& m) {
         py::arg("part"), py::arg("type"));
   m.def("ungroup_blocks", &ungroup_blocks, "a grouped part's bytes as the file stores them (type: Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)",
         py::arg("part"), py::arg("type"));
-  m.def("panel_blocks", &panel_blocks, "a Q4_0, Q4_1, Q8_0 or Q4_K part's rows rearranged in place into the panel layout",
+  m.def("panel_blocks", &panel_blocks, "a Q4_0, Q4_1 or Q8_0 part's rows rearranged in place into the panel layout",
         py::arg("part"), py::arg("type"));
-  m.def("unpanel_blocks", &unpanel_blocks, "a paneled part's bytes as the file stores them (type: Q4_0, Q4_1, Q8_0, Q4_K)",
+  m.def("unpanel_blocks", &unpanel_blocks, "a paneled part's bytes as the file stores them (type: Q4_0, Q4_1, Q8_0)",
         py::arg("part"), py::arg("type"));
 }
 
@@ -2127,38 +2074,16 @@ void pack_panels(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>& le
 // transposed each group and summed each (row, column)'s 8 lanes alone. Lane j of a row's 8 vectors of sums
 // takes its blocks j, j + 8, ... in order with the fp32 operations of every path, then lane_sum adds the 8: the
 // same bits.
-constexpr int64_t p16_slot_bytes(int64_t t) { return 16 * (t == Q4_0 ? 18 : t == Q4_1 ? 20 : t == Q4_K ? 16 : 34); }
-
-// Where a Q4_K slab's super-block s keeps its 16 columns' d, dmin and scale bytes (after the slots).
-inline const uint8_t* p16_meta(const uint8_t* slab, int64_t nb, int64_t s) { return slab + nb * 256 + s * 256; }
+constexpr int64_t p16_slot_bytes(int64_t t) { return 16 * (t == Q4_0 ? 18 : t == Q4_1 ? 20 : 34); }
 
 // A slot's 8 steps of 4 features for its 16 columns, as vnni_columns' panels hold them (Q8_0's made unsigned),
-// and their scales (wm: the minimums). Q4_K: slot j of a super-block whose 16 columns' d, dmin and scale bytes
-// are at meta, its scales and minimums unpacked as decode_meta does (the products d * sc, -dmin * mn exact).
+// and their scales (wm: Q4_1's minimums).
 template <int64_t T>
-inline __attribute__((always_inline)) void p16_slot(const uint8_t* at, const uint8_t* meta, int j, __m512i* v,
-                                                    __m512& ws, __m512& wm) {
-  const uint8_t* levels = at + (T == Q4_1 ? 64 : T == Q4_K ? 0 : 32);
-  if constexpr (T == Q4_K) {
-    const auto byte = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(meta + 64 + 16 * i)); };
-    const __m128i six = _mm_set1_epi8(63), four = _mm_set1_epi8(15), top = _mm_set1_epi8(0x30);
-    __m128i sc, mn;
-    if (j < 4) {
-      sc = _mm_and_si128(byte(j), six), mn = _mm_and_si128(byte(j + 4), six);
-    } else {  // (x >> 6) << 4 is (x >> 2) & 0x30 bytewise
-      sc = _mm_or_si128(_mm_and_si128(byte(j + 4), four), _mm_and_si128(_mm_srli_epi16(byte(j - 4), 2), top));
-      mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(byte(j + 4), 4), four), _mm_and_si128(_mm_srli_epi16(byte(j), 2), top));
-    }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta)));
-    const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(meta + 32)));
-    ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
-    wm = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(dmin), _mm512_set1_epi32(INT32_MIN))),
-                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
-  } else {
-    ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
-    if constexpr (T == Q4_1) wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)));
-    else wm = _mm512_setzero_ps();
-  }
+inline __attribute__((always_inline)) void p16_slot(const uint8_t* at, __m512i* v, __m512& ws, __m512& wm) {
+  ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+  if constexpr (T == Q4_1) wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 32)));
+  else wm = _mm512_setzero_ps();
+  const uint8_t* levels = at + (T == Q4_1 ? 64 : 32);
   if constexpr (T == Q8_0) {
     for (int t = 0; t < 8; ++t)
       v[t] = _mm512_xor_si512(_mm512_loadu_si512(levels + 64 * t), _mm512_set1_epi8(static_cast<char>(0x80)));
@@ -2185,7 +2110,7 @@ inline void pack_p16(const Job& jb, int64_t c0, int64_t c1, std::vector<uint8_t>
         const int64_t slot = p * slots + j * groups + b / 8;
         __m512i v[8];
         __m512 ws, wm;
-        p16_slot<T>(at, p16_meta(jb.w + (c0 / 16 + p) * 16 * jb.row_bytes, nb, b / 8), j, v, ws, wm);
+        p16_slot<T>(at, v, ws, wm);
         for (int t = 0; t < 8; ++t) _mm512_storeu_si512(levels16.data() + slot * 512 + 64 * t, v[t]);
         _mm512_storeu_ps(scales.data() + slot * 32, ws);
         _mm512_storeu_ps(scales.data() + slot * 32 + 16, wm);
@@ -2288,7 +2213,7 @@ void p16_tile(const Job& jb, const uint8_t* slab, const RowPtrs* x, const TileOu
         else _mm_prefetch(next + l, _MM_HINT_T1);
       __m512i v[8];
       __m512 ws, wm;
-      p16_slot<T>(at, p16_meta(slab, jb.nb, b / 8), j, v, ws, wm);
+      p16_slot<T>(at, v, ws, wm);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const int8_t* q = x[r].q + b * QK;
@@ -2298,13 +2223,13 @@ void p16_tile(const Job& jb, const uint8_t* slab, const RowPtrs* x, const TileOu
           return _mm512_set1_epi32(w);
         };
         // the offsets Q4_0 (8) and Q8_0 (128, made unsigned) add to their levels, taken off first
-        __m512i first = has_min(T) ? _mm512_setzero_si512() : _mm512_set1_epi32(x[r].sums[b] * (sh >= 0 ? 1 << sh : 128));
+        __m512i first = T == Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(x[r].sums[b] * (sh >= 0 ? 1 << sh : 128));
         __m512i second = _mm512_setzero_si512();
         for (int t = 0; t < 4; ++t) first = _mm512_dpbusd_epi32(first, v[t], word(t));
         for (int t = 4; t < 8; ++t) second = _mm512_dpbusd_epi32(second, v[t], word(t));
         const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(first, second));
         acc[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(ws, _mm512_set1_ps(x[r].d[b])), acc[r]);
-        if constexpr (has_min(T)) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].ds[b]), acc[r]);
+        if constexpr (T == Q4_1) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(x[r].ds[b]), acc[r]);
       }
     }
     for (int r = 0; r < R; ++r) _mm512_store_ps(lane[j][r], acc[r]);
@@ -2657,7 +2582,7 @@ void run_type(const Job& jb, int64_t c0, int64_t c1) {
 void run(const Job& jb, int64_t c0, int64_t c1) {
 #if PASS_VNNI == 2
   if (jb.paneled) return jb.type == Q4_0 ? run_p16<Q4_0>(jb, c0, c1) : jb.type == Q4_1 ? run_p16<Q4_1>(jb, c0, c1)
-                                         : jb.type == Q4_K ? run_p16<Q4_K>(jb, c0, c1) : run_p16<Q8_0>(jb, c0, c1);
+                                         : run_p16<Q8_0>(jb, c0, c1);
 #endif
   if (jb.grouped) {
     switch (jb.type) {

@@ -22,7 +22,6 @@ enum GgmlType : int64_t {
   GROUPED = 1000, Q4_0_G8 = GROUPED + Q4_0, Q4_1_G8 = GROUPED + Q4_1, Q8_0_G8 = GROUPED + Q8_0,
   Q4_K_G8 = GROUPED + Q4_K, Q6_K_G8 = GROUPED + Q6_K,
   PANELED = 2000, Q4_0_P16 = PANELED + Q4_0, Q4_1_P16 = PANELED + Q4_1, Q8_0_P16 = PANELED + Q8_0,
-  Q4_K_P16 = PANELED + Q4_K,
 };
 
 // The instruction-set paths this CPU runs, best first ("amx", "avx512vnni", "avxvnni", "avx2", "generic"):
@@ -73,15 +72,13 @@ at::Tensor block_mm(const at::Tensor& x, const std::vector<at::Tensor>& parts, c
 void group_blocks(at::Tensor part, int64_t type);
 at::Tensor ungroup_blocks(const at::Tensor& part, int64_t type);
 
-// The panel layout of Q4_0, Q4_1, Q8_0 and Q4_K rows (Q4_0_P16 ..), which the avx512vnni path reads with 16
-// columns in the lanes of a vector: every 16 rows (N a multiple of 16) hold their blocks together, one slot of 16
-// blocks' bytes per block index b, the slots in the order lane j of a row's 8 sums takes them (b = j, j + 8, ...
-// for j = 0 .. 7): the 16 rows' fp16 d, Q4_1's fp16 minimums, then the levels' 4-byte words w (Q4: 4, each byte
+// The panel layout of Q4_0, Q4_1 and Q8_0 rows (Q4_0_P16 ..), which the avx512vnni path reads with 16 columns in
+// the lanes of a vector: every 16 rows (N a multiple of 16) hold their blocks together, one slot of 16 blocks'
+// bytes per block index b, the slots in the order lane j of a row's 8 sums takes them (b = j, j + 8, ... for
+// j = 0 .. 7): the 16 rows' fp16 d, Q4_1's fp16 minimums, then the levels' 4-byte words w (Q4: 4, each byte
 // holding features 4w + i and 16 + 4w + i in its low and high nibble; Q8_0: 8) as 64 bytes each, row i's word at
-// 4i. Q4_K: a block is a sub-block of 32, its slot the levels alone (the Q4 types' 4 words); after the slots, per
-// super-block 256 bytes: the 16 rows' fp16 d, their fp16 dmin, then the 12 bytes of 6-bit scales and minimums
-// byte by byte, row i's byte s at 16s + i. The same bytes and values; panel_blocks rearranges part (uint8
-// [N, row_bytes]) in place, unpanel_blocks returns the file's bytes.
+// 4i. The same bytes and values; panel_blocks rearranges part (uint8 [N, row_bytes]) in place, unpanel_blocks
+// returns the file's bytes.
 void panel_blocks(at::Tensor part, int64_t type);
 at::Tensor unpanel_blocks(const at::Tensor& part, int64_t type);
 
