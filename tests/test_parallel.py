@@ -110,17 +110,22 @@ def test_drafts_are_weighed_against_the_generations_sharing_the_step(smol, runne
 
 def test_a_steps_events_are_handed_on_once_every_generation_in_it_has_moved_on(smol, runner):
     """Two identical greedy requests decode in lockstep; each event is handed on only after the whole step,
-    so the k-th events of both see the same count of decode steps (the one before the other had it counted:
-    the server's IOLoop, woken by the first, took the GIL from the worker in the middle of the step). A
-    receiver that raises is logged and the worker goes on."""
+    so the k-th events of both see the same count of decode steps (handed on as produced, the first one's
+    went out before the second had counted its step, and the server's IOLoop, woken by it, took the GIL from
+    the worker in the middle of the step). A receiver that raises is logged and the worker goes on."""
     stops = prompt.stop_token_ids(smol.tokenizer, smol.generation_config)
     three = Engine(runner, smol.tokenizer, stops, SlotPool(runner, 4, 1 << 30), parallel=3)
     try:
-        gate = threading.Event()
+        held, gate = threading.Event(), threading.Event()
+
+        def hold(event):  # holds the worker in its first step's hand-on, then fails
+            held.set()
+            gate.wait(30)
+            raise RuntimeError("a receiver that fails")
+
         request = requests(smol)[0]
-        three.submit(GenerationRequest(request.prompt_ids, max_tokens=2), lambda e: gate.wait(30) and 1 / 0)
-        while three.queue_depth():
-            pass
+        three.submit(GenerationRequest(request.prompt_ids, max_tokens=2), hold)
+        assert held.wait(60)
         seen: list[list[int]] = [[], []]
         done = [threading.Event(), threading.Event()]
 
