@@ -17,6 +17,10 @@ this machine's speed drifts by 10% from one minute to the next.
 stream may verify drafts of several rows a step, which is what more streams
 share, so none gives the ratios of plain steps.
 
+After the rounds, tornchat's `n`: 4 seeded choices of one prompt in one
+request, against 4 separate requests of it (seeds 7 .. 10) at once and one
+after another, in wall seconds (llama-server's chat endpoint has no `n`).
+
 Prints a markdown table; the CPU it ran on comes first.
 """
 import argparse
@@ -77,15 +81,47 @@ def concurrent(port: int, model: str, count: int, tokens: int) -> list[dict]:
     return results
 
 
-def measure(system: e2e.System, port: int, threads: int, tokens: int, rounds: int = 1) -> dict:
+def measure(system: e2e.System, port: int, threads: int, tokens: int, rounds: int = 1,
+            choices: bool = False) -> tuple[dict, dict | None]:
+    """The rounds' summary, and with ``choices`` the `n` timings (``choices_wall``)."""
     server = e2e.launch(system, port, threads)
     try:
         servers.wait_ready(server, e2e.STARTUP_TIMEOUT_S)
         solo = [stream(port, system.model, text, tokens) for text in PROMPTS]  # also warms the server up
-        return summarize([{count: one_count(port, system.model, count, tokens, solo) for count in COUNTS}
+        rows = summarize([{count: one_count(port, system.model, count, tokens, solo) for count in COUNTS}
                           for _ in range(rounds)])
+        return rows, choices_wall(port, system.model, tokens) if choices else None
     finally:
         servers.stop(server)
+
+
+def complete(port: int, model: str, tokens: int, **fields) -> dict:
+    """One sampled chat completion of the first prompt (not streamed)."""
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": tokens,
+            "temperature": 0.8, "seed": 7, **fields}
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    reply = json.loads(connection.getresponse().read())
+    connection.close()
+    return reply
+
+
+def choices_wall(port: int, model: str, tokens: int) -> dict:
+    """Wall seconds of 4 choices in one request (``n``), of 4 separate requests at once, and one after another."""
+    started = time.perf_counter()
+    assert len(complete(port, model, tokens, n=4)["choices"]) == 4
+    one_request = time.perf_counter() - started
+    started = time.perf_counter()
+    threads = [threading.Thread(target=complete, args=(port, model, tokens), kwargs={"seed": 7 + i}) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    at_once = time.perf_counter() - started
+    started = time.perf_counter()
+    for i in range(4):
+        complete(port, model, tokens, seed=7 + i)
+    return {"one_request": one_request, "at_once": at_once, "one_after_another": time.perf_counter() - started}
 
 
 def one_count(port: int, model: str, count: int, tokens: int, solo: list[dict]) -> dict:
@@ -131,12 +167,13 @@ def main() -> int:
     llama = e2e.llamacpp_system(args.threads, port, model, e2e.find_llama_server(args.llama_server), 4096 * slots)
     llama.command += ["-np", str(slots)]
     print(e2e.machine(args.threads, e2e.find_llama_server(args.llama_server)))
-    results = {}
+    results, choices = {}, None
     for system in (tornchat, llama):
         if system.skip:
             print(f"{system.name}: skipped ({system.skip})")
             continue
-        results[system.name] = measure(system, port, args.threads, args.tokens, args.rounds)
+        results[system.name], wall = measure(system, port, args.threads, args.tokens, args.rounds, system is tornchat)
+        choices = wall or choices
     print(f"\n{model.name}, {args.tokens} new tokens a stream, greedy, {args.threads} threads, {slots} slots, "
           f"tornchat --speculate {args.speculate or 'default'}, {args.rounds} round(s): medians (ranges)\n")
     print("| system | streams | tokens/s (all) | vs 1 stream | worst TTFT | equal to alone |")
@@ -148,6 +185,10 @@ def main() -> int:
             print(f"| {name} | {count} | {row['tokens_per_s']:.1f}" + (f" ({low:.1f}-{high:.1f})" if spread else "")
                   + f" | {row['vs_one']:.2f}x" + (f" ({low_x:.2f}-{high_x:.2f}x)" if spread else "")
                   + f" | {row['worst_ttft_s']:.2f} s | {row['equal_to_solo']} of {count} |")
+    if choices:
+        print(f"\ntornchat `n`, {args.tokens} tokens a choice, seeded: 4 choices in one request "
+              f"{choices['one_request']:.2f} s, 4 separate requests at once {choices['at_once']:.2f} s, "
+              f"one after another {choices['one_after_another']:.2f} s")
     return 0
 
 
