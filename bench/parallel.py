@@ -109,8 +109,10 @@ def complete(port: int, model: str, tokens: int, **fields) -> dict:
 def choices_wall(port: int, model: str, tokens: int) -> dict:
     """Wall seconds of 4 choices in one request (``n``), of 4 separate requests at once, and one after another."""
     started = time.perf_counter()
-    assert len(complete(port, model, tokens, n=4)["choices"]) == 4
+    reply = complete(port, model, tokens, n=4)
     one_request = time.perf_counter() - started
+    if len(reply.get("choices") or ()) != 4:
+        raise RuntimeError(f"n = 4 did not give 4 choices: {reply}")
     started = time.perf_counter()
     threads = [threading.Thread(target=complete, args=(port, model, tokens), kwargs={"seed": 7 + i}) for i in range(4)]
     for thread in threads:
