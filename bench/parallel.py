@@ -175,7 +175,8 @@ def main() -> int:
             print(f"{system.name}: skipped ({system.skip})")
             continue
         results[system.name], wall = measure(system, port, args.threads, args.tokens, args.rounds, system is tornchat)
-        choices = wall or choices
+        if system is tornchat:
+            choices = wall
     print(f"\n{model.name}, {args.tokens} new tokens a stream, greedy, {args.threads} threads, {slots} slots, "
           f"tornchat --speculate {args.speculate or 'default'}, {args.rounds} round(s): medians (ranges)\n")
     print("| system | streams | tokens/s (all) | vs 1 stream | worst TTFT | equal to alone |")
