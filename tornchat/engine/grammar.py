@@ -11,7 +11,7 @@ import functools
 import json
 import re
 
-import llguidance.hf
+import llguidance
 import numpy as np
 import torch
 from llguidance import LLMatcher
@@ -85,7 +85,11 @@ def vocabulary(tokenizer) -> llguidance.LLTokenizer:
     that."""
     pieces = token_pieces(tokenizer)
     if pieces is None:
-        return llguidance.hf.from_tokenizer(tokenizer)
+        # Not with the engine: llguidance.hf imports transformers (0.6 s, AMD Zen 4), which then held up the
+        # main thread at every start; a GGUF's tokenizer imports it on its own thread, beside the weights' read.
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(tokenizer)
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Pieces(tokenizer, pieces)))
 
 
