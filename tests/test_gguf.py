@@ -2,6 +2,8 @@
 transformers' own GGUF loading, and one-line errors for what it does not read."""
 import ctypes
 import mmap
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,7 @@ import torch
 from tornchat import checkpoint
 from tornchat.engine import blocks, llama, quant
 from tornchat.engine import ggml
-from tornchat.weights import gguf_file
+from tornchat.weights import file_memory, gguf_file
 
 import gguf_files
 
@@ -142,12 +144,47 @@ def test_blocks_used_in_place_are_read_into_memory_of_their_own(tmp_path):
     assert file.memory is None
     _, weights = gguf_file.load(file)
     start = ctypes.addressof(ctypes.c_char.from_buffer(file.memory))
-    assert len(file.memory) == path.stat().st_size - file.data_start
+    assert len(file.memory) == path.stat().st_size  # the whole file, tensors at their offsets in it
     for part in (*weights.layers[0].wqkv.parts, *weights.layers[1].w2.parts, *weights.head.parts):
         assert start <= part.data_ptr() < start + len(file.memory)
     smaps = Path("/proc/self/smaps")  # Linux, with transparent huge pages built into its kernel
     if smaps.exists() and hasattr(mmap, "MADV_HUGEPAGE") and Path("/sys/kernel/mm/transparent_hugepage").exists():
         assert "hg" in _vm_flags(smaps.read_text(), start)
+
+
+def test_a_read_begun_before_the_load_is_the_one_it_takes(tmp_path):
+    """The command line begins the file's read (``checkpoint.start_reading``) before torch's import; the
+    loader takes that memory (the whole file, tensors at their file offsets) instead of reading again, and
+    a read it did not take (tensors decoded, not used in place) is dropped once the load is done."""
+    path = gguf_files.write(tmp_path / "m.gguf", MIXES["q4_k_m"])
+    checkpoint.start_reading(str(path), "cpu", "auto", "auto")
+    begun = file_memory._readings[path.resolve()]
+    begun.thread.join()
+    assert bytes(begun.memory) == path.read_bytes()
+    file = gguf_file.GGUFFile(path)
+    _, weights = gguf_file.load(file)  # rearranges the blocks in that memory
+    assert file.memory is begun.memory and not file_memory._readings
+    assert torch.equal(weights.head.dequantize(torch.float32), gguf_file.load(path, plain=torch.float32)[1].head)
+    with_tokenizer = gguf_files.write(tmp_path / "t.gguf", MIXES["q4_k_m"], tokenizer=True)
+    checkpoint.start_reading(str(with_tokenizer), "cpu", "auto", "auto")
+    loaded = checkpoint.load(str(with_tokenizer), model_impl="lean", quantize="int8")  # decoded: no read taken
+    assert loaded.lean is not None and not loaded.packed and not file_memory._readings
+
+
+def test_reads_begin_only_for_a_gguf_the_cpu_kernels_use_in_place(tmp_path):
+    path = gguf_files.write(tmp_path / "m.gguf", MIXES["q4_k_m"])
+    for device, model_impl, quantize in (("cuda", "auto", "auto"), ("cpu", "hf", "auto"), ("cpu", "auto", "int4")):
+        checkpoint.start_reading(str(path), device, model_impl, quantize)
+    checkpoint.start_reading(str(tmp_path), "cpu", "auto", "auto")  # a directory
+    checkpoint.start_reading(str(tmp_path / "none.gguf"), "cpu", "auto", "auto")
+    assert not file_memory._readings
+
+
+def test_the_command_line_reaches_the_read_before_importing_torch():
+    """What the early read overlaps: nothing the command line imports before ``start_reading`` imports
+    torch."""
+    code = "import sys, tornchat.cli; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
 def _vm_flags(smaps: str, address: int) -> list[str]:

@@ -8,7 +8,12 @@ cached (it is small). transformers' own modules (``--model-impl hf``, or a GGUF 
 architecture) need the whole model dequantized by transformers, which takes
 about a minute; that result is saved once as safetensors plus tokenizer files
 in a cache directory, so the next start loads in about a second.
+
+torch is imported where a load needs it, not with this module: the command line
+calls ``start_reading`` before that import, so that a GGUF's read overlaps it.
 """
+from __future__ import annotations
+
 import hashlib
 import importlib.util
 import logging
@@ -18,8 +23,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from tornchat.weights import file_memory
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("tornchat.checkpoint")
 
@@ -67,6 +76,7 @@ def converted_dir(gguf: Path) -> Path:
 
 def convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantize a GGUF through transformers and save it as a HF directory."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s once into %s (about a minute; later starts take seconds)", gguf.name, target)
@@ -151,15 +161,17 @@ def tokenizer_from_gguf(file):
     return tokenizer
 
 
-def load_gguf(file, device: str, dtype: torch.dtype, in_blocks: bool) -> Loaded:
+def load_gguf(file, device: str, dtype: torch.dtype | None, in_blocks: bool) -> Loaded:
     """A Llama-family GGUF (its header read: ``gguf_file.GGUFFile``) through our loader: on the CPU its blocks
     used in place (``in_blocks``) or decoded to fp32 for --quantize modes that pack from float values,
-    elsewhere decoded into dtype on the device."""
+    elsewhere decoded into dtype (None: fp32) on the device."""
+    import torch
+
     from tornchat.weights import gguf_file
 
     started = time.perf_counter()
     gguf, on_cpu = file.path, device == "cpu"
-    plain = None if on_cpu and in_blocks else (torch.float32 if on_cpu else dtype)
+    plain = None if on_cpu and in_blocks else (torch.float32 if on_cpu else dtype or torch.float32)
     with ThreadPoolExecutor(1) as pool:
         # the tokenizer's build beside the weights' read (I/O and page faults, without the GIL): 0.3 s of the
         # 1B's start
@@ -177,7 +189,24 @@ def load_gguf(file, device: str, dtype: torch.dtype, in_blocks: bool) -> Loaded:
     return Loaded(tokenizer=tokenizer, source=str(gguf), lean=(config, weights), packed=on_cpu and in_blocks)
 
 
-def load(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32, model_impl: str = "hf",
+def start_reading(path: str | None, device: str, model_impl: str, quantize: str) -> None:
+    """Begin reading the GGUF that ``load`` with these settings reads into memory for the CPU's kernels
+    (``file_memory``), from before torch's import, which the read then overlaps. Device auto counts as the CPU
+    on a machine without an NVIDIA or AMD GPU's device files (torch would say, but importing it is what the
+    read is to overlap). ``load`` drops a read it did not take (a file of an architecture it converts)."""
+    if model_impl == "hf" or quantize != "auto" or device == "cuda":
+        return
+    if device == "auto" and any(Path(name).exists() for name in ("/dev/nvidia0", "/dev/kfd")):
+        return
+    try:
+        source = default_gguf_path() if not path else Path(path).expanduser()
+    except CheckpointError:
+        return  # load says why
+    if source.is_file() and source.suffix == ".gguf":
+        file_memory.start(source)
+
+
+def load(path: str | None, device: str = "cpu", dtype: torch.dtype | None = None, model_impl: str = "hf",
          quantize: str = "auto") -> Loaded:
     """Load model and tokenizer; every failure is a CheckpointError with one line.
 
@@ -186,6 +215,13 @@ def load(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float
     where ``quantize`` is auto; a Llama-family Hugging Face directory with
     ``quantize`` int4 or int8 is packed layer by layer as it is read.
     """
+    try:
+        return _load(path, device, dtype, model_impl, quantize)
+    finally:
+        file_memory.forget()
+
+
+def _load(path: str | None, device: str, dtype: torch.dtype | None, model_impl: str, quantize: str) -> Loaded:
     from tornchat.weights import gguf_file
 
     source = default_gguf_path() if not path else Path(path).expanduser()
@@ -234,8 +270,9 @@ def load_packing(directory: Path, quantize: str) -> Loaded | None:
                   generation_config=generation)
 
 
-def load_transformers(path: str | None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Loaded:
-    """transformers' model and tokenizer from a HF directory (or a GGUF converted into one)."""
+def load_transformers(path: str | None, device: str = "cpu", dtype: torch.dtype | None = None) -> Loaded:
+    """transformers' model and tokenizer from a HF directory (or a GGUF converted into one); dtype None: fp32."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -249,7 +286,7 @@ def load_transformers(path: str | None, device: str = "cpu", dtype: torch.dtype 
         raise CheckpointError(f"unsupported architecture {config.model_type!r}: not a causal language model")
     try:
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype or torch.float32)
     except Exception as exc:
         raise CheckpointError(f"cannot load checkpoint {directory}: {first_line(exc)}") from None
     model.to(device).eval()

@@ -3,8 +3,8 @@ import argparse
 import dataclasses
 import sys
 
+from tornchat import checkpoint
 from tornchat import config as config_module
-from tornchat.checkpoint import CheckpointError
 from tornchat.server import logs
 
 
@@ -80,12 +80,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tornchat: bad configuration: {exc}", file=sys.stderr)
         return 2
     logs.configure(config.log_level, config.log_format)
+    # before the imports below (torch's 1.2-1.4 s), which the weights' read then overlaps
+    checkpoint.start_reading(config.checkpoint_path, config.device, config.model_impl, config.quantize)
     from tornchat.build import build_engine
     from tornchat.server.app import serve
 
     try:
         engine = build_engine(config)
-    except CheckpointError as exc:
+    except checkpoint.CheckpointError as exc:
         print(f"tornchat: {exc}", file=sys.stderr)
         return 1
     serve(config, engine)

@@ -13,7 +13,6 @@ that dtype instead (a GPU, or --quantize modes that pack from float values).
 
 Config comes from the file's metadata.
 """
-import contextlib
 import logging
 import math
 import mmap
@@ -28,6 +27,7 @@ import torch
 from tornchat.engine import blocks, quant
 from tornchat.engine.llama import Experts, Layer, LlamaConfig, LlamaWeights, interleave_rope_rows, qk_norms
 from tornchat.engine import ggml
+from tornchat.weights import file_memory
 
 log = logging.getLogger("tornchat.checkpoint")
 
@@ -103,7 +103,7 @@ class GGUFFile:
                 type_name = f"type {type_id}"
             infos.append((name, type_name, dims, offset))
         alignment = int(self.fields.get("general.alignment", 32))
-        self.data_start = data_start = -(-self.at // alignment) * alignment
+        data_start = -(-self.at // alignment) * alignment
         self.tensors = {}
         for name, type_name, dims, offset in infos:
             cols, rows = dims[0], math.prod(dims[1:])
@@ -179,36 +179,20 @@ class GGUFFile:
         """The tensor's bytes as uint8 [N, row_bytes], a view of the file's bytes in memory (``read_into_memory``)
         or, before that, of its map."""
         t = self.tensors[name]
-        source, at = (self.map, t.offset) if self.memory is None else (self.memory, t.offset - self.data_start)
-        data = np.frombuffer(source, dtype=np.uint8, count=t.nbytes, offset=at)
+        data = np.frombuffer(self.map if self.memory is None else self.memory, dtype=np.uint8, count=t.nbytes,
+                             offset=t.offset)
         return torch.from_numpy(data).reshape(t.rows, -1)
 
     def read_into_memory(self) -> None:
-        """The file's tensors read once into private anonymous memory that the kernel backs with 2 MiB pages where
-        it can (MADV_HUGEPAGE), for tensors used in place: a decode step streams every weight, and on the file
-        map's 4 KiB pages the TLB's misses (one every 4 KiB) cost whole 1B and 135M steps 3-8% of their time
-        (2026-12-06, AMD Zen 4). One copy, which ``blocks`` rearranges in place (the map's pages, copy-on-write,
-        took a fault each 4 KiB). Where tensors are decoded into new ones (``load``'s plain) the map serves: a
-        tensor viewing this memory would hold them all. The header (the tokenizer's arrays) stays in the map.
-        The read costs a start 0.1-0.3 s for the 1B, up to 1.9 s on a VM whose balloon hands free 2 MiB blocks
-        back to its host (each huge page's first touch then faults there; docs/performance.md)."""
-        if self.memory is not None:
-            return
-        nbytes = len(self.map) - self.data_start
-        anonymous = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-        memory = mmap.mmap(-1, max(nbytes, 1), **({"flags": anonymous} if anonymous else {}))
-        with contextlib.suppress(AttributeError, OSError, ValueError):  # no THP (Windows, macOS, older kernels)
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        view, got = memoryview(memory), 0
-        with open(self.path, "rb", buffering=0) as handle:
-            handle.seek(self.data_start)
-            while got < nbytes:  # read() returns at most 2 GiB a call
-                read = handle.readinto(view[got:])
-                if not read:
-                    raise UnsupportedFile(f"{self.path.name} shrank while it was read")
-                got += read
-        view.release()
-        self.memory = memory
+        """The file read once into private memory of its own (``file_memory``: 2 MiB pages, and begun by the
+        command line before torch's import where it knew the file), for tensors used in place; ``blocks``
+        rearranges it in place, so memory holds one copy. Where tensors are decoded into new ones (``load``'s
+        plain) the map serves: a tensor viewing this memory would hold them all."""
+        if self.memory is None:
+            try:
+                self.memory = file_memory.take(self.path)
+            except OSError as exc:
+                raise UnsupportedFile(f"cannot read GGUF file {self.path}: {exc}") from None
 
     def blocks(self, name: str, grouped: bool, panels: bool = False) -> tuple[torch.Tensor, str]:
         """``mapped``, and the type its bytes hold: with ``grouped``, in the layout the CPU's kernels read fastest
