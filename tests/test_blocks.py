@@ -308,10 +308,11 @@ def test_grouping_follows_the_path():
         grouped = part.clone()
         assert blocks.group(grouped, "Q4_1", isa) == "Q4_1_G8" and torch.equal(grouped, ggml.group(part, "Q4_1"))
         assert blocks.group(part.clone(), "Q5_0", isa) == "Q5_0"
-        # AVX-512 reads Q6_K and Q8_0 in the file's layout, the AVX2 paths grouped
+        # AVX-512 reads Q8_0 in the file's layout, the AVX2 paths grouped; every path Q6_K grouped
         q8 = make_part("Q8_0", 3, 256)
         wanted = "Q8_0" if isa in ("avx512vnni", "amx") else "Q8_0_G8"
         assert blocks.group(q8, "Q8_0", isa) == wanted == blocks.grouped_type("Q8_0", isa)
+        assert blocks.group(make_part("Q6_K", 3, 256), "Q6_K", isa) == "Q6_K_G8"
         # the panel layout: where asked for, on the path that reads it, for whole slabs of 16 rows
         for type_name in PANELABLE:
             rows16 = make_part(type_name, 32, 256)

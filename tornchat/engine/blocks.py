@@ -32,11 +32,13 @@ TYPE_NAMES = {v: k for k, v in TYPE_IDS.items()}
 # The types each path reads faster in the grouped layout (ggml.group), the steps its kernels dot already in place.
 # avx2, avxvnni: all five; the 135M's products at one row 1.16x (Q4_1 layers) and 1.46x (Q8_0 head) (2026-11-28,
 # AMD Zen 3). AVX-512: the Q4 types, whose tiles otherwise transpose each group's nibbles (Q4_K's 1B products at
-# 2 and 4 rows 0.83x and 0.86x the time, the same at one row; 4-row steps 0.89x the time at 135M, 0.90-0.96x at 1B);
-# not Q6_K and Q8_0, which one row reads faster in the file's layout (quant_group_row: the 1B's Q6_K head 0.82x
-# the time). 2026-11-29, AMD Zen 4 (docs/performance.md).
-_ALL, _Q4 = tuple(ggml.GROUPED.values()), ("Q4_0", "Q4_1", "Q4_K")
-GROUPING = {"avx2": _ALL, "avxvnni": _ALL, "avx512vnni": _Q4, "amx": _Q4}
+# 2 and 4 rows 0.83x and 0.86x the time, the same at one row; 4-row steps 0.89x the time at 135M, 0.90-0.96x at 1B;
+# 2026-11-29, AMD Zen 4), and Q6_K since its grouped tiles unpack two columns' steps in one 512-bit vector
+# (unpack_steps2: the 1B's Q6_K products from memory at 1, 2 and 4 rows 0.78-0.98x, 0.78-0.95x and 0.83-0.92x
+# the time of the file's layout, 512 rows the same; 2026-12-06, AMD Zen 4); not Q8_0, which one row reads faster
+# in the file's layout (docs/performance.md).
+_ALL, _AVX512 = tuple(ggml.GROUPED.values()), ("Q4_0", "Q4_1", "Q4_K", "Q6_K")
+GROUPING = {"avx2": _ALL, "avxvnni": _ALL, "avx512vnni": _AVX512, "amx": _AVX512}
 # The types each path reads in the panel layout (ggml.panel) where a part allows it (grouped_type's panels):
 # avx512vnni's 32-value types, whose tiles of 4 columns spent at K = 576 about 40% of their time outside the dot
 # products (2026-12-06, AMD Zen 4: the 135M's Q4_1 products 0.51-0.57x the time at 1 to 16 rows).
