@@ -1517,9 +1517,9 @@ inline __attribute__((always_inline)) __m512i wide(const void* p) {  // 32 bytes
 }
 
 // Group g's scales for two weight rows at once (lanes 0-7 the first row's, 8-15 the second's): the very
-// products meta gives each row (d * sc, -dmin * mn), so the same bits. Q4_K, Q5_K: both rows' 6-bit scales and
-// minimums unpacked together in vector registers, where meta's scalar bit work per row cost the small-row tiles
-// more than their dot products.
+// products meta gives each row (d * sc, -dmin * mn; Q6_K's d * sc), so the same bits. Q4_K, Q5_K: both rows'
+// 6-bit scales and minimums unpacked together in vector registers, where meta's scalar bit work per row cost the
+// small-row tiles more than their dot products; Q6_K: both rows' scales in one vector, not meta twice and joins.
 template <int64_t T>
 inline __attribute__((always_inline)) void meta2(const uint8_t* row0, const uint8_t* row1, int64_t g, int nj,
                                                  __m512& ws, __m512& wm, __m512& lo, __m512& hi) {
@@ -1543,6 +1543,20 @@ inline __attribute__((always_inline)) void meta2(const uint8_t* row0, const uint
     wm = _mm512_mul_ps(_mm512_xor_ps(dmin, _mm512_set1_ps(-0.0f)),
                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(sm, 1))));
     lo = hi = _mm512_setzero_ps();
+  } else if constexpr (T == Q6_K) {  // meta's products: both rows' 16 int8 scales split into even and odd at once
+    uint16_t h0, h1;
+    std::memcpy(&h0, row0 + g * 210 + 208, 2);
+    std::memcpy(&h1, row1 + g * 210 + 208, 2);
+    const __m512 d = join(_mm256_set1_ps(_cvtsh_ss(h0)), _mm256_set1_ps(_cvtsh_ss(h1)));
+    const __m128i even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i sc = _mm256_shuffle_epi8(
+        _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(row1 + g * 210 + 192),
+                            reinterpret_cast<const __m128i*>(row0 + g * 210 + 192)),
+        _mm256_broadcastsi128_si256(even_odd));
+    const __m256i by_half = _mm256_permute4x64_epi64(sc, 0xD8);  // [row 0's even, row 1's even | the odd ones]
+    lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(by_half))));
+    hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(by_half, 1))));
+    ws = wm = _mm512_setzero_ps();
   } else {
     __m256 s[2], m[2], l[2], h[2];
     meta<T>(row0, g, nj, s[0], m[0], l[0], h[0]);
