@@ -37,19 +37,17 @@ def read(path: Path) -> mmap.mmap:
 
 
 class _Reading:
-    """One ``read`` on a thread of its own; its memory, or the error it met, once done."""
+    """One ``read`` on a thread of its own; its memory once done (None where it failed: ``take`` reads again
+    and meets the error itself)."""
 
     def __init__(self, path: Path):
         self.memory: mmap.mmap | None = None
-        self.error: OSError | None = None
         self.thread = threading.Thread(target=self._run, args=(path,), name="tornchat-read", daemon=True)
         self.thread.start()
 
     def _run(self, path: Path) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.memory = read(path)
-        except OSError as exc:
-            self.error = exc
 
 
 _readings: dict[Path, _Reading] = {}
