@@ -1622,7 +1622,7 @@ inline __attribute__((always_inline)) void unpack_steps2(const uint8_t* steps0, 
 }
 
 // Two grouped rows' group g (group_blocks) in transpose8x2's layout, with their scales as meta2 gives them: a
-// whole group's levels as they are stored (unpack_steps), a short one's (nj < 8, the 32-block types) block by
+// whole group's levels as they are stored (unpack_steps2), a short one's (nj < 8, the 32-block types) block by
 // block and transposed here, as the file's are. The same levels and values as the file's layout: the same bits.
 template <int64_t T, int NJ>
 inline __attribute__((always_inline)) void grouped_pair(const uint8_t* row0, const uint8_t* row1, int64_t g, int nj,
