@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from bench.common import greedy_steps_rate
-from tornchat import checkpoint
+from tornchat import checkpoint, prompt
 from tornchat.engine import blocks, llama, quant
 from tornchat.engine.cpu import describe
 from tornchat.engine.model import PREFILL_CHUNK
@@ -48,8 +48,7 @@ PROMPTS = [
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    messages = [{"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    return prompt.encode(tokenizer, prompt.render(tokenizer, [{"role": "user", "content": text}]))
 
 
 def decode_rate(runner, prompt: list[int], steps: int) -> float:

@@ -9,6 +9,8 @@ every server the same prompt text.
 import random
 from dataclasses import dataclass
 
+from tornchat import prompt
+
 SYSTEM = "You are a helpful assistant. Answer clearly and in detail."
 COLD_SYSTEM = "You are a patient assistant. Answer carefully and completely."  # shares no prefix with SYSTEM
 
@@ -89,7 +91,7 @@ def chat_user_messages(workload: Workload, tokenizer) -> list[str]:
 
 def prompt_tokens(messages: list[dict], tokenizer) -> int:
     """Prompt length as the model's own chat template renders it: the same yardstick for every system."""
-    return len(tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"])
+    return len(prompt.encode(tokenizer, prompt.render(tokenizer, messages)))
 
 
 # Speculative decoding (bench/speculate.py): replies that copy text from their prompt, where prompt-lookup

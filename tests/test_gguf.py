@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tornchat import checkpoint
+from tornchat import checkpoint, prompt
 from tornchat.engine import blocks, llama, quant
 from tornchat.engine import ggml
 from tornchat.weights import file_memory, gguf_file
@@ -237,7 +237,7 @@ def test_the_embedded_model_loads_without_a_conversion(tmp_path, monkeypatch):
         assert for_avx2.layers[0].w13.types == ("Q4_1_G8",) * 2
     assert weights.embed is weights.head  # tied
     assert not list(tmp_path.iterdir())  # nothing converted: the tokenizer is built from the file's metadata
-    assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False).startswith("<|im_start|>")
+    assert prompt.render(loaded.tokenizer, [{"role": "user", "content": "hi"}]).startswith("<|im_start|>")
 
 
 def test_the_cpp_converters_are_built():

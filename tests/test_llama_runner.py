@@ -294,9 +294,7 @@ def test_build_picks_runner(tiny_model):
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-    )
+    return prompt.encode(tokenizer, prompt.render(tokenizer, [{"role": "user", "content": text}]))
 
 
 def engine_for(runner, smol) -> Engine:

@@ -78,10 +78,8 @@ def speculation(runner: Runner, mode: str, ids: list[int], checkpoint_id: str) -
 
 
 def sample_ids(tokenizer) -> list[int]:
-    """A fixed chat (``speculate.SAMPLE_CHAT``) in the model's own template where it has one."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(speculate.SAMPLE_CHAT, tokenize=True, return_dict=False)
-    return tokenizer(" ".join(m["content"] for m in speculate.SAMPLE_CHAT))["input_ids"]
+    """A fixed chat (``speculate.SAMPLE_CHAT``) as a request's would be rendered and encoded."""
+    return prompt.encode(tokenizer, prompt.render(tokenizer, speculate.SAMPLE_CHAT, generation_prompt=False))
 
 
 def warm_up(runner: Runner) -> None:

@@ -24,7 +24,8 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 SEED_MODULUS = 1 << 63  # seeds of any size map into the sampler's int64 range
 EFFORTS = ("none", "minimal", "low", "medium", "high")  # reasoning_effort: "none" turns thinking off, the rest on
-# apply_chat_template's own arguments: chat_template_kwargs may not set them, the server does.
+# Names chat_template_kwargs may not set: the variables prompt.render sets itself, and the rest of transformers'
+# apply_chat_template arguments, which a client could expect to act as such rather than reach the template.
 TEMPLATE_ARGUMENTS = ("messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
                       "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
                       "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
