@@ -102,7 +102,7 @@ def _byte_level_decoder(tokenizer) -> dict[str, int] | None:
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     if decoder is None or "ByteLevel" not in repr(decoder):
         return None
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from tornchat.weights.gguf_tokenizer import bytes_to_unicode
 
     return {ch: byte for byte, ch in bytes_to_unicode().items()}
 

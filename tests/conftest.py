@@ -50,7 +50,7 @@ def tokenizer(smol):
 def marker_tokenizer(tokenizer):
     """SmolLM2's vocabulary plus Llama's and Mistral's tool-call markers as special tokens, as their own tokenizers have them."""
     tok = copy.deepcopy(tokenizer)  # copy.copy would share the backend, and add the tokens to every test's tokenizer
-    tok.add_tokens([AddedToken(m, special=True, normalized=False) for m in ("<|python_tag|>", "[TOOL_CALLS]", "[ARGS]")], special_tokens=True)
+    tok.backend_tokenizer.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in ("<|python_tag|>", "[TOOL_CALLS]", "[ARGS]")])
     return tok
 
 

@@ -1,6 +1,6 @@
 """The GGUF tokenizer we build from a file's metadata against transformers' GGUF conversion of the same
-file: the same serialized tokenizer, ids, decoding and special tokens; and the conversion where we do
-not build one."""
+file: the same serialized tokenizer, ids, decoding, special tokens and rendered chats; the conversion
+where we do not build one; and no transformers imported where we do."""
 import json
 import subprocess
 import sys
@@ -8,7 +8,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from tornchat import checkpoint
+from tornchat import checkpoint, prompt
 from tornchat.weights import gguf_file, gguf_tokenizer
 
 import gguf_files
@@ -28,9 +28,10 @@ TEXTS = [
 ]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2? 😀"},
             {"role": "assistant", "content": "4"}, {"role": "user", "content": "  and\n\n3*3?"}]
+# what the server reads of a tokenizer besides encode, decode and the token-id conversions
 ATTRIBUTES = ["bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id", "unk_token_id",
               "pad_token_id", "add_bos_token", "add_eos_token", "vocab_size", "chat_template", "all_special_ids",
-              "all_special_tokens", "special_tokens_map", "clean_up_tokenization_spaces", "padding_side"]
+              "special_tokens_map", "added_tokens_decoder"]
 # Llama 3's control tokens over the embedded model's first five, no <|endoftext|> left: a Llama-3-style file.
 LLAMA3 = {"renamed": dict(enumerate(["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>",
                                      "<|end_header_id|>"])),
@@ -76,7 +77,7 @@ def test_the_serialized_tokenizer_is_transformers(pair):
 def test_ids_and_decoding_are_transformers(pair, special):
     ours, theirs = pair
     chat = theirs.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    assert ours.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True) == chat
+    assert prompt.render(ours, MESSAGES) == chat
     for text in TEXTS + [chat]:
         ids = theirs.encode(text, add_special_tokens=special)
         assert ours.encode(text, add_special_tokens=special) == ids, text
@@ -84,6 +85,9 @@ def test_ids_and_decoding_are_transformers(pair, special):
             assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
     for marker in ("<|im_start|>", "<|im_end|>", "<|eot_id|>", "<think>", "<s>", "not-a-token"):
         assert ours.convert_tokens_to_ids(marker) == theirs.convert_tokens_to_ids(marker)
+    every = list(range(len(theirs)))
+    assert ours.convert_ids_to_tokens(every) == theirs.convert_ids_to_tokens(every)
+    assert ours(TEXTS[0], add_special_tokens=special)["input_ids"] == theirs(TEXTS[0], add_special_tokens=special)["input_ids"]
 
 
 def test_user_defined_tokens_match_whole_as_transformers_adds_them(tmp_path):
@@ -149,8 +153,7 @@ def test_the_gemma_benchmark_vocabulary_chats_in_gemma_turns(tmp_path):
     tokenizer = gguf_tokenizer.build(gguf_file.GGUFFile(gguf_files.write_tokenizer(tmp_path / "g.gguf", **fields)))
     bos, start, end = (tokenizer.convert_tokens_to_ids(t) for t in GEMMA_MARKERS)
     assert len(tokenizer) == vocab and tokenizer.eos_token_id == end == bos + 2 and tokenizer.bos_token_id == bos
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": " Hi "}], add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
+    ids = prompt.encode(tokenizer, prompt.render(tokenizer, [{"role": "user", "content": " Hi "}]))
     text = tokenizer.encode
     assert ids == [bos, start, *text("user\nHi", add_special_tokens=False), end, *text("\n", add_special_tokens=False),
                    start, *text("model\n", add_special_tokens=False)]
@@ -174,27 +177,36 @@ def test_the_qwen3_benchmark_vocabulary_is_padded_to_qwen3s_size_and_encodes_as_
     original = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(checkpoint.default_gguf_path()))
     assert len(padded) == vocab and padded.eos_token_id == original.eos_token_id
     chat = [{"role": "user", "content": "Write <unused3> a haiku about rain."}]
-    assert padded.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False) == \
-        original.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert prompt.encode(padded, prompt.render(padded, chat)) == prompt.encode(original, prompt.render(original, chat))
     assert padded.decode([vocab - 1]) == f"<unused{vocab - len(original) - 1}>"
 
 
-def test_the_built_tokenizer_takes_its_backend_over_uncopied():
-    """transformers deep-copies a tokenizer_object (a JSON round trip: a quarter of a second at 262,144
-    tokens); the backend built from the file is nobody else's, so the wrapper holds it as it is."""
+def test_the_built_tokenizer_holds_its_backend_uncopied():
+    """transformers' wrapper would deep-copy a backend given it (a JSON round trip: a quarter of a second at 262,144
+    tokens); ours holds the one built from the file, with the post-processor the file's flags ask for."""
     from tokenizers import Tokenizer, models
 
-    backend = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2, "</s>": 3}, merges=[("a", "b")]))
-    tokenizer = gguf_tokenizer.BuiltTokenizer(backend, eos_token="</s>")
-    assert tokenizer.backend_tokenizer is backend
-    assert tokenizer.encode("abab</s>", add_special_tokens=False) == [2, 2, 3] and tokenizer.eos_token_id == 3
+    backend = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2, "</s>": 3, "<s>": 4}, merges=[("a", "b")]))
+    tokenizer = gguf_tokenizer.GGUFTokenizer(backend, {"bos_token": "<s>", "eos_token": "</s>"}, add_eos_token=True)
+    assert tokenizer.backend_tokenizer is backend and tokenizer.eos_token_id == 3 and tokenizer.bos_token_id == 4
+    assert tokenizer.encode("abab", add_special_tokens=False) == [2, 2]
+    assert tokenizer.encode("abab") == [2, 2, 3]
+    assert tokenizer.unk_token is None and tokenizer.convert_tokens_to_ids("zz") is None
+    with pytest.raises(AttributeError):
+        tokenizer.no_such_attribute
 
 
-def test_a_built_tokenizer_loads_without_scanning_transformers_models():
-    """Where ``gguf_tokenizer`` builds the tokenizer, loading it imports no ``transformers.models``, whose import
-    scans every model's module for its names (0.6 s of a first start); only the conversion's fallback does."""
-    code = ("import sys; from tornchat import checkpoint; from tornchat.weights import gguf_file; "
+def test_a_built_tokenizer_serves_without_importing_transformers():
+    """Where ``gguf_tokenizer`` builds the tokenizer, loading it, rendering a chat, encoding it and reading the
+    vocabulary's bytes (the stop check's and the grammars') import no transformers, whose import costs a first start
+    0.5-0.8 s; only the conversion's fallback does."""
+    code = ("import sys; from tornchat import checkpoint, prompt; from tornchat.weights import gguf_file; "
+            "from tornchat.kernels import stopcheck; from tornchat.engine import grammar; "
             "tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(checkpoint.default_gguf_path())); "
-            "print(type(tokenizer).__name__, 'transformers.models' in sys.modules)")
+            "ids = prompt.encode(tokenizer, prompt.render(tokenizer, [{'role': 'user', 'content': 'hi'}])); "
+            "assert tokenizer.decode(ids).endswith('assistant\\n') and stopcheck.prompt_bytes(tokenizer); "
+            "grammar.Compiler(tokenizer).compile('start: \"yes\" | \"no\"'); "
+            "print(type(tokenizer).__name__, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
-    assert out.stdout.split() == ["BuiltTokenizer", "False"]
+    assert out.stdout.split() == ["GGUFTokenizer", "False"]
+

@@ -12,6 +12,7 @@ import llguidance.hf
 import pytest
 import torch
 from llguidance import LLMatcher
+from transformers import AutoTokenizer
 
 from tornchat import checkpoint, functions, prompt
 from tornchat.engine import GenerationRequest, SamplingParams
@@ -72,14 +73,15 @@ def test_the_vocabulary_is_built_at_the_first_grammar_and_once(tokenizer, monkey
 @pytest.mark.parametrize("kind", ["embedded", "llama3", "sentencepiece"])
 def test_llguidance_reads_the_vocabulary_as_from_the_tokenizers_json(kind, tmp_path):
     """Built from the tokens' pieces (byte-level vocabularies), llguidance's view of the vocabulary is the one it
-    builds from the tokenizer's JSON: each token's bytes, which are special, the end token, how a text is
+    builds from transformers' tokenizer of the file: each token's bytes, which are special, the end token, how a text is
     tokenized. A SentencePiece vocabulary, whose encoding puts a space before a text, is left to the JSON."""
     path = {"embedded": checkpoint.default_gguf_path,
             "llama3": lambda: gguf_files.write_tokenizer(tmp_path / "llama3.gguf", **LLAMA3),
             "sentencepiece": lambda: gguf_files.write_tokenizer(tmp_path / "sp.gguf", **gguf_files.sentencepiece_vocabulary())}[kind]()
     tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(path))
     assert (token_pieces(tokenizer) is None) == (kind == "sentencepiece")
-    ours, theirs = vocabulary(tokenizer), llguidance.hf.from_tokenizer(tokenizer)
+    ours = vocabulary(tokenizer)
+    theirs = llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name))
     assert ours.vocab_size == theirs.vocab_size == len(tokenizer) and ours.eos_tokens == theirs.eos_tokens
     every = range(len(tokenizer))
     assert [ours.decode_bytes([i]) for i in every] == [theirs.decode_bytes([i]) for i in every]

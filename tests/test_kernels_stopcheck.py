@@ -104,14 +104,16 @@ def test_spellings_are_each_pieces_bytes_or_its_text_where_it_leaves_the_byte_al
     the token's text."""
     import copy
 
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # transformers' alphabet, not ours
 
     from tornchat import checkpoint
     from tornchat.kernels.stopcheck import spellings
     from tornchat.weights import gguf_file
 
     tokenizer = copy.deepcopy(checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(checkpoint.default_gguf_path())))
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<｜begin▁of▁sentence｜>", "<tool call>"]})
+    tokenizer.backend_tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False)
+                                                    for token in ("<｜begin▁of▁sentence｜>", "<tool call>")])
     byte_of = {ch: byte for byte, ch in bytes_to_unicode().items()}
     expected = []
     for token_id, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):

@@ -3,18 +3,19 @@
 transformers' GGUF conversion (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``) reads the whole
 file through the gguf package and a model config first, most of a first start (docs/performance.md).
 This builds the same tokenizer from the arrays ``gguf_file.GGUFFile.array`` reads in
-milliseconds: the same BPE model, pre-tokenizer, decoder, added tokens and wrapper settings, so its
+milliseconds: the same BPE model, pre-tokenizer, decoder, post-processor and added tokens, so its
 ids, its decoding and its special tokens are transformers' (tests/test_gguf_tokenizer.py holds the
-two equal, down to the serialized tokenizer). ``build`` answers None for a tokenizer it does not
-know; the caller then uses transformers' conversion.
+two equal, down to the serialized tokenizer). It is wrapped in ``GGUFTokenizer``, the part of a
+transformers tokenizer's surface the server uses, not in transformers' own class: importing
+transformers costs a first start 0.5-0.8 s. ``build`` answers None for a tokenizer it does not know;
+the caller then uses transformers' conversion.
 
 Covered: ``tokenizer.ggml.model`` "gpt2" (byte-level BPE: SmolLM2, Llama 3, Qwen2) with the
 pre-tokenizers below, and "llama" (SentencePiece-style BPE with byte fallback: Llama 2, Mistral).
 """
 import logging
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 log = logging.getLogger("tornchat.checkpoint")
 
@@ -44,8 +45,8 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def build(file):
-    """The tokenizer of a ``gguf_file.GGUFFile`` as a transformers ``PreTrainedTokenizerFast``, or None
-    where its model or pre-tokenizer is one this does not build."""
+    """The tokenizer of a ``gguf_file.GGUFFile``, or None where its model or pre-tokenizer is one this does
+    not build."""
     kind, pre = file.value("tokenizer.ggml.model"), file.value("tokenizer.ggml.pre")
     if not (kind == "gpt2" and pre in SPLITS or kind == "llama" and pre in (None, "default")):
         log.info("tokenizer %r with pre-tokenizer %r: built by transformers' GGUF conversion", kind, pre)
@@ -89,13 +90,11 @@ def _byte_level(tokens: list[str], merges: list[str], split: str | None) -> Toke
 def _sentencepiece(tokens: list[str], merges: list[str] | None, scores) -> Tokenizer:
     """SentencePiece-style BPE with byte fallback as transformers' LlamaTokenizer builds it; a file without
     merges (most) gets them derived from its scores, as transformers derives them."""
-    from transformers.tokenization_utils_base import generate_merges
-
     vocab = {token: index for index, token in enumerate(tokens)}
     if merges is not None:
         pairs = [tuple(merge.split(" ")) for merge in merges]
     else:
-        pairs = generate_merges(vocab, dict(zip(tokens, scores.tolist())))
+        pairs = _merges_from_scores(vocab, dict(zip(tokens, scores.tolist())))
     backend = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=True, byte_fallback=True, dropout=None))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
     backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
@@ -103,6 +102,19 @@ def _sentencepiece(tokens: list[str], merges: list[str] | None, scores) -> Token
     # LlamaTokenizer's own defaults, special before the file's tokens.
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
     return backend
+
+
+def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
+    """Each split of a token into two tokens as a merge, the highest-scoring token's first, then the longer
+    left and the longer right piece, a token's own splits by their pieces' ids: the order in which
+    transformers' generate_merges ranks them (a stable sort, so ties keep that order)."""
+    ranked = []
+    for token, score in scores.items():
+        splits = [(token[:cut], token[cut:]) for cut in range(1, len(token)) if token[:cut] in vocab and token[cut:] in vocab]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        ranked.extend((score, len(left), len(right), (left, right)) for left, right in splits)
+    ranked.sort(key=lambda merge: merge[:3], reverse=True)
+    return [merge[3] for merge in ranked]
 
 
 def _add_file_tokens(backend: Tokenizer, tokens: list[str], types, controllable) -> None:
@@ -122,25 +134,84 @@ def _add_file_tokens(backend: Tokenizer, tokens: list[str], types, controllable)
         backend.add_tokens(user)
 
 
-class BuiltTokenizer(PreTrainedTokenizerFast):
-    """transformers' fast tokenizer around a backend built here, which it takes over: given as
-    ``tokenizer_object`` it would be deep-copied, a round trip through JSON (0.25 s of a start at 262,144
-    tokens) of an object nothing else holds."""
-
-    def __init__(self, backend: Tokenizer, **settings):
-        self._tokenizer = backend  # what the base class's __init__ builds on where it is already set
-        super().__init__(**settings)
+# transformers' named special tokens, in the order its all_special_tokens lists them
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def _wrap(file, tokens: list[str], backend: Tokenizer, settings: dict):
-    """The transformers tokenizer around ``backend``, with the settings transformers' conversion gives it:
-    special tokens named by the file's ids, the chat template, BOS (or EOS) added where the file says so."""
+class GGUFTokenizer:
+    """A tokenizers backend with the settings a GGUF gives it, answering as transformers' fast tokenizer
+    does for the calls the server makes (encode, decode, special tokens, the chat template)."""
+
+    def __init__(self, backend: Tokenizer, special: dict[str, str | None], chat_template: str | None = None,
+                 add_bos_token: bool = False, add_eos_token: bool = False):
+        self.backend_tokenizer = backend
+        self.special_tokens_map = {name: special[name] for name in SPECIAL_NAMES if special.get(name) is not None}
+        self.chat_template = chat_template
+        # transformers drops a flag whose token the file does not name
+        self.add_bos_token = add_bos_token and self.bos_token is not None
+        self.add_eos_token = add_eos_token and self.eos_token is not None
+        # transformers' TokenizersBackend.update_post_processor: the flags decide what encode adds
+        first = ([self.bos_token] if self.add_bos_token else []) + ["$A"] + ([self.eos_token] if self.add_eos_token else [])
+        second = ([f"{self.bos_token}:1"] if self.add_bos_token else []) + ["$B:1"] + ([f"{self.eos_token}:1"] if self.add_eos_token else [])
+        added = [(token, backend.token_to_id(token)) for token in first if token != "$A"]
+        backend.post_processor = processors.TemplateProcessing(single=" ".join(first), pair=" ".join(first + second),
+                                                               special_tokens=added)
+
+    def __getattr__(self, name: str):
+        """bos_token, eos_token, unk_token, pad_token (None where the file names none) and their ids."""
+        token_name = name.removesuffix("_id")
+        if token_name not in SPECIAL_NAMES:
+            raise AttributeError(name)
+        token = self.special_tokens_map.get(token_name)
+        return token if token is None or token_name == name else self.convert_tokens_to_ids(token)
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": self.encode(text, add_special_tokens=add_special_tokens)}
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary without the added tokens."""
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=False)
+
+    @property
+    def added_tokens_decoder(self) -> dict:
+        return self.backend_tokenizer.get_added_tokens_decoder()
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return self.convert_tokens_to_ids(list(dict.fromkeys(self.special_tokens_map.values())))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        # transformers would clean up tokenization spaces where told to, but never for BPE, which these all are
+        return self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | list[int] | None:
+        """A token's id, the unknown token's (None where there is none) for a text not in the vocabulary."""
+        if not isinstance(tokens, str):
+            return [self.convert_tokens_to_ids(token) for token in tokens]
+        token_id = self.backend_tokenizer.token_to_id(tokens)
+        return token_id if token_id is not None else self.unk_token_id
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str | None]:
+        return [self.backend_tokenizer.id_to_token(i) for i in ids]
+
+
+def _wrap(file, tokens: list[str], backend: Tokenizer, settings: dict) -> GGUFTokenizer:
+    """``backend`` with the settings transformers' conversion gives it: special tokens named by the file's ids,
+    the chat template, BOS (or EOS) added where the file says so."""
     for name, key in (("add_bos_token", "tokenizer.ggml.add_bos_token"), ("add_eos_token", "tokenizer.ggml.add_eos_token"),
                       ("chat_template", "tokenizer.chat_template")):
         if file.value(key) is not None:
             settings[name] = file.value(key)
+    special = {}
     for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"), ("unk_token", "unknown_token_id"),
                       ("pad_token", "padding_token_id")):
         token_id = file.value(f"tokenizer.ggml.{key}")
-        settings[name] = tokens[token_id] if token_id is not None else None
-    return BuiltTokenizer(backend, **settings)
+        special[name] = tokens[token_id] if token_id is not None else None
+    return GGUFTokenizer(backend, special, **settings)
