@@ -4,16 +4,21 @@ Each round starts tornchat (its defaults, a new empty TORNCHAT_CACHE: a first st
 speculation's costs) and llama-server (bench/e2e.py's command), each a fresh process, and times launch to
 the first 200 from /health. With --cold the page cache is dropped before every start (root only:
 /proc/sys/vm/drop_caches), so that the file and the libraries come from disk as after a reboot or a
-download; without it they come from memory, as on a later start. Prints each round and the medians, and
+download; without it they come from memory, as on a later start. With --idle S each start waits S seconds
+first, so that it finds memory as a machine left alone does rather than as the other server just freed
+it: on a VM whose host takes freed memory back (free page reporting), fresh 2 MiB pages then cost
+tornchat's read of the file seconds (docs/performance.md). Prints each round and the medians, and
 tornchat's time less llama-server's (issue "One answer per request": at most 3 s).
 
-    python -m bench.ready [--checkpoint-path FILE.gguf] [--rounds 4] [--threads 2] [--cold] [--llama-server PATH]
+    python -m bench.ready [--checkpoint-path FILE.gguf] [--rounds 4] [--threads 2] [--cold] [--idle S]
+                          [--llama-server PATH]
 """
 import argparse
 import os
 import statistics
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from bench import e2e, servers
@@ -30,7 +35,8 @@ def drop_page_cache() -> None:
     DROP_CACHES.write_text("3\n")
 
 
-def ready_seconds(system: e2e.System, port: int, threads: int, cold: bool) -> float:
+def ready_seconds(system: e2e.System, port: int, threads: int, cold: bool, idle: float) -> float:
+    time.sleep(idle)
     if cold:
         drop_page_cache()
     server = e2e.launch(system, port, threads)
@@ -46,6 +52,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cold", action="store_true", help="drop the page cache before every start (root)")
+    parser.add_argument("--idle", type=float, default=0.0, help="seconds to wait before each start")
     parser.add_argument("--llama-server", help="llama.cpp's llama-server binary (default: bench/e2e.py's)")
     args = parser.parse_args()
     if args.cold and not os.access(DROP_CACHES, os.W_OK):
@@ -58,13 +65,14 @@ def main() -> None:
     if llamacpp.skip:
         parser.error(f"llama-server: {llamacpp.skip}")
     print(f"CPU: {describe()}; {model.name}, {args.threads} threads, "
-          f"{'page cache dropped before each start' if args.cold else 'page cache warm'}", flush=True)
+          f"{'page cache dropped before each start' if args.cold else 'page cache warm'}"
+          f"{f', {args.idle:g} s idle before each' if args.idle else ''}", flush=True)
     ours, theirs = [], []
     for round_ in range(args.rounds):
         with tempfile.TemporaryDirectory(prefix="tornchat-cache-") as cache:
             tornchat.env = {"TORNCHAT_CACHE": cache}
-            ours.append(ready_seconds(tornchat, port, args.threads, args.cold))
-        theirs.append(ready_seconds(llamacpp, port, args.threads, args.cold))
+            ours.append(ready_seconds(tornchat, port, args.threads, args.cold, args.idle))
+        theirs.append(ready_seconds(llamacpp, port, args.threads, args.cold, args.idle))
         print(f"round {round_ + 1}: tornchat {ours[-1]:.2f} s, llama-server {theirs[-1]:.2f} s", flush=True)
     ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
     print(f"\n| system | ready (s), median of {args.rounds} | range |\n|---|---|---|")
