@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import openai
 
@@ -102,14 +103,19 @@ def test_end_of_turn_tokens_stop_generation(tokenizer):
 
 def test_a_first_start_measures_speculation_once_and_a_later_start_recalls_it(tmp_path):
     """Nothing cached: the server serves the file's own blocks at once and measures what a verify costs on
-    this machine; the next start reads that back instead of measuring again."""
+    this machine while it is idle (a request is served meanwhile); the next start reads that back instead of
+    measuring again."""
     env = {"TORNCHAT_CACHE": str(tmp_path / "cache")}
     with servers.running(env=env) as server:
         client = openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0)
         ask = [{"role": "user", "content": "Name a colour."}]
         first = client.chat.completions.create(model="m", messages=ask, max_tokens=5, temperature=0)
         assert first.usage.completion_tokens >= 1
-        assert "Q4_1" in server.log() and "one-token steps" in server.log()
+        assert "Q4_1" in server.log() and "speculation off until a verify's costs are measured" in server.log()
+        deadline = time.monotonic() + 60
+        while "measured while idle" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "one-token steps (measured while idle)" in server.log()
     assert (tmp_path / "cache" / "measurements.json").exists()
     with servers.running(env=env) as server:
         again = client_for(server).chat.completions.create(model="m", messages=ask, max_tokens=5, temperature=0)

@@ -1,5 +1,8 @@
 """Prompt-lookup speculation: what the drafter proposes, how long its drafts are, and that the text never
 changes with it on (greedy and seeded, with every request option that touches the logits)."""
+import threading
+import time
+
 import pytest
 import torch
 
@@ -90,9 +93,10 @@ def test_misses_shrink_drafts_to_none_and_faded_evidence_tries_again():
 
 
 def test_measured_costs_time_a_few_verify_sizes_and_interpolate_the_rest(monkeypatch):
-    """A start waits on the measurement: rows 1, 2, 4 and 8 are timed, taking turns, the others interpolated;
-    each size keeps its fastest time, so a neighbour's load on one timing does not make drafts look dear; the
-    rounds stop after two once they have taken the budget."""
+    """Rows 1, 2, 4 and 8 are timed, taking turns, the others interpolated; each size keeps its fastest time, so
+    a neighbour's load on one timing does not make drafts look dear; the rounds stop after two once they have
+    taken the budget. Measured in pieces (``measuring``), a round at a time, the budget counts the rounds alone,
+    not what the caller did between them."""
     clock, timed = [0.0], []
     slowed = {2: 2}  # rows -> which of their timings a neighbour slows (0: the first)
 
@@ -120,6 +124,17 @@ def test_measured_costs_time_a_few_verify_sizes_and_interpolate_the_rest(monkeyp
     costs = speculate.measure(Runner(), list(range(20)), repeats=5, budget_s=10)  # a round takes 19 units or more
     assert timed == [1, 2, 4, 8] * 2  # two rounds, though the first alone spent the budget
     assert costs.relative == (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5)
+    timed.clear()
+    slowed, pieces = {}, speculate.measuring(Runner(), list(range(20)), repeats=5, budget_s=60)
+    for round_ in range(3):
+        next(pieces)  # a piece: the prompt's prefill, or a round
+        assert timed == [1, 2, 4, 8] * round_
+        clock[0] += 1000  # the engine serves a request between pieces
+    next(pieces)
+    with pytest.raises(StopIteration) as done:
+        next(pieces)
+    assert timed == [1, 2, 4, 8] * 4  # 19 + 19 + 19 units are not yet 60; the 4th round's 76 are
+    assert done.value.value.relative == (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5)
 
 
 def test_verify_costs_are_measured_on_a_transformers_runner_too(tiny_model):
@@ -257,3 +272,73 @@ def test_remembered_costs_are_measured_again_for_another_build_of_the_kernels(mo
     assert measurements.recall(cache_file, measurements.cache_key("speculate: x", "checkpoint")) == {"relative": [1.0, 1.1]}
     monkeypatch.setattr(fused, "build_id", lambda: "another build")
     assert measurements.recall(cache_file, measurements.cache_key("speculate: x", "checkpoint")) is None
+
+
+def test_a_first_start_under_auto_measures_while_idle_and_remembers(tmp_path, monkeypatch):
+    """--speculate auto at a first start: no costs yet and a measurement for the engine's idle moments, whose
+    result is remembered, so the next start recalls it; --speculate lookup measures before the engine starts."""
+    from tornchat import build
+
+    monkeypatch.setenv("TORNCHAT_CACHE", str(tmp_path))
+
+    class Runner:  # a verify of r rows costs 20 + r: drafts pay
+        def new_cache(self):
+            return type("Cache", (), {})()
+
+        def forward(self, ids, cache):
+            pass
+
+        def truncate(self, cache, length):
+            pass
+
+        def verify(self, ids, cache):
+            time.sleep((20 + len(ids)) / 1e4)
+            return torch.zeros(len(ids), 3)
+
+    costs, measuring = build.speculation(Runner(), "auto", list(range(20)), "model-a")
+    assert costs is None and measuring is not None
+    rounds = 0
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(measuring)
+            rounds += 1
+    measured = done.value.value
+    assert rounds >= 2 and measured is not None and measured.pays()
+    assert build.speculation(Runner(), "auto", [], "model-a") == (measured, None)  # recalled
+    costs, measuring = build.speculation(Runner(), "lookup", list(range(20)), "model-b")
+    assert measuring is None and costs is not None and costs.relative[0] == 1.0
+    assert build.speculation(Runner(), "none", [], "model-c") == (None, None)
+
+
+def test_the_engine_measures_between_requests_and_then_drafts(tiny_model, tokenizer):
+    """The engine runs a measurement a piece at a time while nothing is queued: a request that comes meanwhile
+    is served before the next piece, and the measurement's result turns drafts on."""
+    costs, order, submitted = Costs((1.0, 1.01, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07)), [], threading.Event()
+
+    def measuring():
+        assert submitted.wait(30)  # a request comes while this piece runs
+        order.append("first piece")
+        yield
+        order.append("second piece")
+        return costs
+
+    runner = HFRunner(tiny_model)
+    engine = Engine(runner, tokenizer, prompt.stop_token_ids(tokenizer), SlotPool(runner, 2, 1 << 30), measuring=measuring())
+    try:
+        assert engine.speculation is None
+        finished = threading.Event()
+
+        def on_event(event):
+            if event.is_last:
+                order.append("request")
+                finished.set()
+
+        engine.submit(GenerationRequest([1, 2, 3], max_tokens=2, sampling=SamplingParams(temperature=0.0)), on_event)
+        submitted.set()
+        assert finished.wait(60)
+        deadline = time.monotonic() + 30
+        while engine.speculation is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert order == ["first piece", "request", "second piece"] and engine.speculation is costs
+    finally:
+        engine.close()

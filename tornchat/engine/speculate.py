@@ -18,6 +18,7 @@ the reply, and at least one token of it whenever the reply matches it, so
 that evidence keeps coming and a low estimate can rise again.
 """
 import time
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,34 +80,49 @@ class Costs:
         return self.best_draft(AUTO_ACCEPTANCE, MAX_DRAFT) > 0
 
 
-MEASURED_ROWS = (1, 2, 4, MAX_DRAFT + 1)  # verify sizes timed; the others interpolated (a start waits on it)
+MEASURED_ROWS = (1, 2, 4, MAX_DRAFT + 1)  # verify sizes timed; the others interpolated
 
 
 def measure(runner, ids: list[int], repeats: int = 5, budget_s: float = 0.25) -> Costs:
     """Verify times over 1..MAX_DRAFT + 1 rows after a prompt of ids, relative to one row's: the sizes in
     MEASURED_ROWS timed, those between interpolated (a verify's cost grows about linearly with its rows).
+    ``measuring`` does the work, a round at a time; this runs it through.
 
-    The sizes take turns, ``repeats`` rounds (fewer, but two, once the rounds have taken ``budget_s``: a first
-    start waits on them, and a large model's timings vary less), and each keeps its fastest time: on a shared
-    machine a neighbour only ever adds time, and a slow moment falls on every size alike instead of on one.
-    So does a first call's cold start (a CUDA graph's capture, say): the fastest of two needs no warm-up round
-    of its own, and the runner has had one before (``build.warm_up``). Every later start drafts by what was
-    measured (``build.speculation`` remembers it), and a median of two timings per size, one size after
-    another, put a 2-row verify at 1.12 to 1.36 steps on one machine. (A round of the 1B's four sizes takes
-    about 0.19 s on two AMD Zen 3 cores; across first starts there, its costs varied as much with a warm-up
-    round as without one.)"""
+    The sizes take turns, ``repeats`` rounds (fewer, but two, once the rounds have taken ``budget_s``: a large
+    model's timings vary less), and each keeps its fastest time: on a shared machine a neighbour only ever
+    adds time, and a slow moment falls on every size alike instead of on one. So does a first call's cold
+    start (a CUDA graph's capture, say): the fastest of two needs no warm-up round of its own, and the runner
+    has had one before (``build.warm_up``). Every later start drafts by what was measured
+    (``build.speculation`` remembers it), and a median of two timings per size, one size after another, put
+    a 2-row verify at 1.12 to 1.36 steps on one machine. (A round of the 1B's four sizes takes about 0.19 s
+    on two AMD Zen 3 cores; across first starts there, its costs varied as much with a warm-up round as
+    without one.)"""
+    rounds = measuring(runner, ids, repeats, budget_s)
+    while True:
+        try:
+            next(rounds)
+        except StopIteration as done:
+            return done.value
+
+
+def measuring(runner, ids: list[int], repeats: int = 5, budget_s: float = 0.25) -> Generator[None, None, Costs]:
+    """``measure``'s work in pieces: it yields before each round (after the prompt's prefill), so that its
+    caller may do other work between them (the engine serves requests), and returns the costs."""
     cache = runner.new_cache()
     runner.forward(ids, cache)
     start = len(ids)  # what the cache now holds: a Runner's caches need not say (transformers' do not)
     fastest = [float("inf")] * len(MEASURED_ROWS)
-    rounds_began = time.perf_counter()
+    spent = 0.0  # in the rounds themselves, not in what the caller did between them
     for round_ in range(repeats):
+        yield
+        began = time.perf_counter()
         for i, rows in enumerate(MEASURED_ROWS):
             runner.truncate(cache, start)
-            began = time.perf_counter()
+            timed = time.perf_counter()
             float(runner.verify(ids[:rows], cache)[-1, 0])  # read back, as the loop does: CUDA runs asynchronously
-            fastest[i] = min(fastest[i], time.perf_counter() - began)
-        if round_ >= 1 and time.perf_counter() - rounds_began > budget_s:
+            fastest[i] = min(fastest[i], time.perf_counter() - timed)
+        spent += time.perf_counter() - began
+        if round_ >= 1 and spent > budget_s:
             break
     relative = np.interp(np.arange(1, MAX_DRAFT + 2), MEASURED_ROWS, fastest) / fastest[0]
     return Costs(tuple(round(float(r), 3) for r in relative))

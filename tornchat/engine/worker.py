@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -121,6 +121,8 @@ class Engine:
 
     The constructor starts that thread, unless ``on_this_thread``: then the
     calling thread is the worker and calls ``run_forever`` next (see ``start``).
+    ``measuring``: speculation's costs being measured (``speculate.measuring``, the start did not wait for
+    it), run a piece at a time while nothing is queued or running; what it returns becomes ``speculation``.
     """
 
     def __init__(
@@ -132,6 +134,7 @@ class Engine:
         max_queue: int = 16,
         on_this_thread: bool = False,
         speculation: speculate.Costs | None = None,
+        measuring: Generator[None, None, speculate.Costs | None] | None = None,
         parallel: int = 1,
     ):
         self.runner = runner
@@ -140,6 +143,7 @@ class Engine:
         self.slots = slots
         self.max_queue = max_queue
         self.speculation = speculation  # None: one token per forward
+        self._measuring = measuring
         self.batch = scheduler.Batch(runner, parallel)
         self.stats = EngineStats()
         self.fault = Fault.from_env()
@@ -229,19 +233,37 @@ class Engine:
         self._thread.join(timeout=10)
 
     def _admit(self) -> bool:
-        """Move waiting requests into the batch while it has room, waiting for one when nothing runs;
-        False once closed."""
+        """Move waiting requests into the batch while it has room, waiting for one when nothing runs (or
+        measuring meanwhile); False once closed."""
         while True:
             self._hand_on()  # the last step's or admission's events: out before any wait
             with self._wakeup:
-                while not self._waiting and not self._closed and not len(self.batch):
+                while self._idle() and self._measuring is None:
                     self._wakeup.wait()
                 if self._closed:
                     return False
-                if not self._waiting or self.batch.full():
+                idle = self._idle()
+                if not idle and (not self._waiting or self.batch.full()):
                     return True
-                handle = self._waiting.popleft()
-            self._start(handle)
+                handle = None if idle else self._waiting.popleft()
+            if handle is None:
+                self._measure_a_piece()
+            else:
+                self._start(handle)
+
+    def _idle(self) -> bool:
+        """Nothing waiting, nothing running (asked with ``_wakeup`` held)."""
+        return not self._waiting and not self._closed and not len(self.batch)
+
+    def _measure_a_piece(self) -> None:
+        """One piece of ``measuring`` (a round of verifies: a request that comes meanwhile waits for it alone)."""
+        try:
+            next(self._measuring)
+        except StopIteration as done:
+            self.speculation, self._measuring = done.value, None
+        except Exception:  # drafts stay off; the engine serves on
+            log.exception("measuring a verify's costs failed")
+            self._measuring = None
 
     def run_forever(self) -> None:
         """The worker loop: admit (handing on the events of the step before), then one forward over every
