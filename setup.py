@@ -51,6 +51,8 @@ setup(
         "pyyaml>=6",
         "prometheus-client>=0.20",
         "llguidance==1.9.1",  # grammar-constrained decoding (structured outputs, function calls)
+        "tokenizers",  # a GGUF's tokenizer (weights/gguf_tokenizer.py); transformers pins its range
+        "jinja2>=3.1.6",  # chat templates (prompt.py); older releases have known sandbox escapes
     ],
     extras_require={
         # playwright drives the system Chromium (apt-get install chromium) in tests/test_web*.py.
