@@ -140,7 +140,8 @@ SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token"
 
 class GGUFTokenizer:
     """A tokenizers backend with the settings a GGUF gives it, answering as transformers' fast tokenizer
-    does for the calls the server makes (encode, decode, special tokens, the chat template)."""
+    does for the calls the server makes (encode, decode, special tokens and their ids, the token-id
+    conversions); its chat template renders in ``prompt.render``."""
 
     def __init__(self, backend: Tokenizer, special: dict[str, str | None], chat_template: str | None = None,
                  add_bos_token: bool = False, add_eos_token: bool = False):
@@ -150,12 +151,13 @@ class GGUFTokenizer:
         # transformers drops a flag whose token the file does not name
         self.add_bos_token = add_bos_token and self.bos_token is not None
         self.add_eos_token = add_eos_token and self.eos_token is not None
-        # transformers' TokenizersBackend.update_post_processor: the flags decide what encode adds
-        first = ([self.bos_token] if self.add_bos_token else []) + ["$A"] + ([self.eos_token] if self.add_eos_token else [])
-        second = ([f"{self.bos_token}:1"] if self.add_bos_token else []) + ["$B:1"] + ([f"{self.eos_token}:1"] if self.add_eos_token else [])
-        added = [(token, backend.token_to_id(token)) for token in first if token != "$A"]
-        backend.post_processor = processors.TemplateProcessing(single=" ".join(first), pair=" ".join(first + second),
-                                                               special_tokens=added)
+        # as transformers' TokenizersBackend.update_post_processor sets it: the flags decide what encode adds
+        bos = [self.bos_token] if self.add_bos_token else []
+        eos = [self.eos_token] if self.add_eos_token else []
+        backend.post_processor = processors.TemplateProcessing(
+            single=" ".join(bos + ["$A"] + eos),
+            pair=" ".join(bos + ["$A"] + eos + [f"{token}:1" for token in bos] + ["$B:1"] + [f"{token}:1" for token in eos]),
+            special_tokens=[(token, backend.token_to_id(token)) for token in bos + eos])
 
     def __getattr__(self, name: str):
         """bos_token, eos_token, unk_token, pad_token (None where the file names none) and their ids."""
