@@ -171,6 +171,29 @@ def test_a_read_begun_before_the_load_is_the_one_it_takes(tmp_path):
     assert loaded.lean is not None and not loaded.packed and not file_memory._readings
 
 
+@pytest.mark.parametrize("readers", [1, 3])
+def test_a_file_read_in_parts_is_the_files_bytes(tmp_path, monkeypatch, readers):
+    """Read in parts at once (whole 2 MiB pages each, the last short), the memory holds the file as it is; a
+    file that shrinks under the read fails it."""
+    monkeypatch.setattr(file_memory, "READERS", readers)
+    path = tmp_path / "blob"
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, 5 * file_memory.HUGE_PAGE + 123, dtype=np.uint8).tobytes())
+    assert bytes(file_memory.read(path)) == path.read_bytes()
+    path.write_bytes(b"")
+    assert bytes(file_memory.read(path)) == b"\x00"  # an empty file: one zero byte, mmap's least
+    real_open = open
+
+    def shrunk(name, *args, **kwargs):  # a file that ends early for every reader
+        handle = real_open(name, *args, **kwargs)
+        handle.readinto = lambda view: 0
+        return handle
+
+    path.write_bytes(b"x" * 100)
+    monkeypatch.setattr(file_memory, "open", shrunk, raising=False)
+    with pytest.raises(OSError, match="shrank"):
+        file_memory.read(path)
+
+
 def test_reads_begin_only_for_a_gguf_the_cpu_kernels_use_in_place(tmp_path):
     path = gguf_files.write(tmp_path / "m.gguf", MIXES["q4_k_m"])
     for device, model_impl, quantize in (("cuda", "auto", "auto"), ("cpu", "hf", "auto"), ("cpu", "auto", "int4")):
