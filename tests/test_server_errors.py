@@ -5,6 +5,7 @@ mid-generation, refuse for a full queue. The app, handlers and routes are
 the real ones (make_app).
 """
 import asyncio
+import copy
 import json
 import logging
 import threading
@@ -19,6 +20,8 @@ from tornchat.config import Config
 from tornchat.engine.types import Event, QueueFull, Usage
 from tornchat.engine.worker import EngineStats
 from tornchat.server.app import make_app
+
+from fixtures import chat_templates
 
 SECRET = "/secret/checkpoint/path"
 
@@ -56,13 +59,26 @@ class ScriptedEngine:
 
 @pytest.fixture(scope="module")
 def server(tokenizer):
+    yield from serving(ScriptedEngine(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def strict_server(tokenizer):
+    """Behind Mistral's template, which refuses turns out of order."""
+    strict = copy.copy(tokenizer)
+    strict.chat_template = chat_templates.MISTRAL_V03
+    yield from serving(ScriptedEngine(strict))
+
+
+def serving(engine):
+    """The real app on a loopback port, in a thread of its own: its URL, until the test module is done."""
     port = servers.free_port()
     started = threading.Event()
     loops = []
 
     def run():
         asyncio.set_event_loop(asyncio.new_event_loop())
-        HTTPServer(make_app(Config(), ScriptedEngine(tokenizer))).listen(port, "127.0.0.1")
+        HTTPServer(make_app(Config(), engine)).listen(port, "127.0.0.1")
         loops.append(IOLoop.current())
         started.set()
         loops[0].start()
@@ -125,3 +141,17 @@ def test_cors_is_off_unless_configured(server):
     reply = servers.request(server, "OPTIONS", "/v1/chat/completions", headers={"Origin": "https://x.example"})
     assert reply.status == 405 and "Access-Control-Allow-Origin" not in reply.headers
     assert "Access-Control-Allow-Origin" not in servers.request(server, "GET", "/v1/models").headers
+
+
+def test_messages_the_chat_template_refuses_are_a_400_naming_them(strict_server, tokenizer):
+    """Two user turns in a row, which Mistral's template refuses with raise_exception: a 400 that says so, through
+    chat completions and Anthropic's Messages alike, and the server answers the next request."""
+    turns = [{"role": "user", "content": "one"}, {"role": "user", "content": "two"}]
+    reply = servers.request(strict_server, "POST", "/v1/chat/completions", {"model": "m", "messages": turns})
+    assert reply.status == 400, reply.body
+    detail = json.loads(reply.body)["detail"]
+    assert detail.startswith("Invalid request: messages: the model's chat template refuses them") and "alternate" in detail
+    anthropic = servers.request(strict_server, "POST", "/v1/messages", {"model": "m", "max_tokens": 8, "messages": turns},
+                                {"Content-Type": "application/json", "anthropic-version": "2023-06-01"})
+    assert anthropic.status == 400 and "alternate" in anthropic.body.decode()
+    assert chat(strict_server, "hello").status == 200

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import jinja2
 import orjson
 from tornado.iostream import StreamClosedError
 from tornado.queues import Queue
@@ -320,7 +321,12 @@ class GenerationHandler(BaseHandler):
         # A grammar that binds the reply from its first token (JSON, a forced call) leaves no room for thinking.
         enabled = enabled and not (request.response_format.json or request.choice.mode in ("named", "required"))
         kwargs = reasoning.template_kwargs(thinks, enabled, request.template_kwargs)
-        plan = functions.plan(tokenizer, request.messages, request.functions, request.choice, request.response_format, kwargs)
+        try:
+            plan = functions.plan(tokenizer, request.messages, request.functions, request.choice, request.response_format, kwargs)
+        except jinja2.TemplateSyntaxError:
+            raise  # the checkpoint's template is broken: a server error
+        except jinja2.TemplateError as exc:  # it refuses these messages (roles out of order, say)
+            raise invalid(f"messages: the model's chat template refuses them: {exc}") from None
         return plan, thinks, enabled
 
     def _grammar(self, lark: str | None) -> Grammar | None:
