@@ -68,7 +68,7 @@ def test_a_chat_renders_as_transformers_renders_it(pair, template, conversation)
         assert ours_or_error(ours, messages, tools, kwargs, generation_prompt) == expected
 
 
-def test_a_template_without_a_chat_template_gets_chatml():
+def test_a_tokenizer_without_a_chat_template_gets_chatml():
     class Bare:
         special_tokens_map = {"eos_token": "</s>"}
 
