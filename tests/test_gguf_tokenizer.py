@@ -209,4 +209,3 @@ def test_a_built_tokenizer_serves_without_importing_transformers():
             "print(type(tokenizer).__name__, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.split() == ["GGUFTokenizer", "False"]
-
