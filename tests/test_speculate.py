@@ -280,8 +280,10 @@ def test_a_first_start_under_auto_measures_while_idle_and_remembers(tmp_path, mo
     from tornchat import build
 
     monkeypatch.setenv("TORNCHAT_CACHE", str(tmp_path))
+    clock = [0.0]
+    monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
 
-    class Runner:  # a verify of r rows costs 20 + r: drafts pay
+    class Runner:  # a verify of r rows takes 20 + r units of a fake clock: drafts pay
         def new_cache(self):
             return type("Cache", (), {})()
 
@@ -292,7 +294,7 @@ def test_a_first_start_under_auto_measures_while_idle_and_remembers(tmp_path, mo
             pass
 
         def verify(self, ids, cache):
-            time.sleep((20 + len(ids)) / 1e4)
+            clock[0] += (20 + len(ids)) / 1e4
             return torch.zeros(len(ids), 3)
 
     costs, measuring = build.speculation(Runner(), "auto", list(range(20)), "model-a")
@@ -303,7 +305,8 @@ def test_a_first_start_under_auto_measures_while_idle_and_remembers(tmp_path, mo
             next(measuring)
             rounds += 1
     measured = done.value.value
-    assert rounds >= 2 and measured is not None and measured.pays()
+    assert rounds == 5 and measured is not None and measured.pays()  # 5 rounds of 0.0122 units: under the budget
+    assert measured.relative[:3] == (1.0, 1.048, 1.095)
     assert build.speculation(Runner(), "auto", [], "model-a") == (measured, None)  # recalled
     costs, measuring = build.speculation(Runner(), "lookup", list(range(20)), "model-b")
     assert measuring is None and costs is not None and costs.relative[0] == 1.0

@@ -77,15 +77,16 @@ def speculation(runner: Runner, mode: str, ids: list[int], checkpoint_id: str) -
     known = measurements.recall(cache_file, key)
     if known:
         return _settled(speculate.Costs(tuple(known["relative"])), mode, "recalled"), None
-    if mode == "lookup":
-        costs = speculate.measure(runner, ids)
+
+    def remembered(costs: speculate.Costs, how: str) -> speculate.Costs | None:
         measurements.remember(cache_file, key, {"relative": list(costs.relative), "for": label})
-        return _settled(costs, mode, "measured now"), None
+        return _settled(costs, mode, how)
+
+    if mode == "lookup":
+        return remembered(speculate.measure(runner, ids), "measured now"), None
 
     def measured_while_idle() -> Generator[None, None, speculate.Costs | None]:
-        costs = yield from speculate.measuring(runner, ids)
-        measurements.remember(cache_file, key, {"relative": list(costs.relative), "for": label})
-        return _settled(costs, mode, "measured while idle")
+        return remembered((yield from speculate.measuring(runner, ids)), "measured while idle")
 
     log.info("speculation off until a verify's costs are measured, while the engine is idle")
     return None, measured_while_idle()
