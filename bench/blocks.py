@@ -1,14 +1,20 @@
 """Microbenchmark of the GGUF block kernels (tornchat/engine/blocks.py, csrc/blocks.cpp).
 
 For the 1B Llama's matrices (K = 2048: qkv 3072, o 2048, gate+up 16384, down 2048 x 8192, head 49152) in
-Q4_K and Q6_K, Qwen3 4B's largest (qkv 6144, gate+up 19456 of K = 2560, down 2560 x 9728, head 151936), and the 135M SmolLM2's (hidden 576: qkv 960, o 576, gate+up 3072, down 576 x 1536, head
-49152) in Q4_1 and Q8_0, on each instruction-set path:
+Q4_K and Q6_K, Qwen3 4B's largest (qkv 6144, gate+up 19456 of K = 2560, down 2560 x 9728, head 151936), and
+the 135M SmolLM2's (hidden 576: qkv 960, o 576, gate+up 3072, down 576 x 1536, head 49152) in Q4_1 and Q8_0,
+on each instruction-set path, the weights in the layout that path reads them in (``blocks.group``: grouped, or
+in panels where the path reads the type so, as the model's parts are unless they are shared with the embedding;
+``--file-layout``: as the file stores them):
   decode (1 row): microseconds, GB/s of weights read, % of this machine's read bandwidth (torch sum over
     1 GiB, measured here); the weights rotate through 1 GiB of copies so that they come from memory;
-  verify (4 rows): time / the 1-row time, weights from memory (and in parentheses both from cache);
+  verify (4 rows): time / the 1-row time, weights from memory (and in parentheses both from cache: the
+    product's first 16 MiB of columns);
+  compute: nanoseconds per 1,024 weights a thread at 1, 2, 4 and 8 rows, from cache as above: what a row
+    adds to a product once memory no longer bounds it (and what the columns' unpacking costs at one row);
   prefill (512 rows): GOPS (2 * rows * N * K / s) and torch._int_mm's GOPS on int8 [512, K] x [K, N].
 
-    python -m bench.blocks [--isa avx2,...] [--threads 2] [--quick]
+    python -m bench.blocks [--isa avx2,...] [--threads 2] [--quick] [--file-layout]
 """
 import argparse
 import time
@@ -35,6 +41,8 @@ SHAPES = [  # (name, N, K, types)
     ("135M head", 49152, 576, ("Q8_0",)),
 ]
 POOL = 1 << 30  # bytes of weight copies the decode timing rotates through
+IN_CACHE = 16 << 20  # bytes of a product's first columns the in-cache timings take: within a 32 MiB L3, and long
+# enough calls (0.2-0.5 ms) that the threads' start and join stay out of the figure
 
 
 def timed(fn, min_seconds=0.3, min_calls=3) -> float:
@@ -61,14 +69,16 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--only", default="", help="shapes whose name contains this")
     parser.add_argument("--quick", action="store_true", help="no prefill column, shorter timings")
+    parser.add_argument("--file-layout", action="store_true", help="the weights as the file stores them")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     isas = args.isa.split(",")
     bw = bandwidth()  # before the pool: 1 GiB each
     print(f"read bandwidth (torch sum over 1 GiB, {args.threads} threads): {bw / 1e9:.1f} GB/s")
     pool = torch.randint(0, 256, (POOL,), dtype=torch.uint8)
-    print("| shape | type | path | 1 row us | GB/s | % bw | 4 rows / 1 row (in cache) | 512 rows GOPS | _int_mm GOPS |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | type | path | layout | 1 row us | GB/s | % bw | 4 rows / 1 row (in cache) | "
+          "compute ns / 1,024 weights at 1, 2, 4, 8 rows | 512 rows GOPS | _int_mm GOPS |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, n, k, types in SHAPES:
         if args.only not in name:
             continue
@@ -80,29 +90,35 @@ def main():
             copies = [pool[i * size : (i + 1) * size].view(n, row_bytes) for i in range(max(1, POOL // size))]
             hot = copies[0]
             for isa in isas:
+                # random bytes either way: rearranging the pool in place for each path only moves them
+                layout = t if args.file_layout else [blocks.group(c, t, isa, panels=True) for c in copies][0]
                 x1, x4 = torch.randn(1, k), torch.randn(4, k)
                 state = {"i": 0}
 
                 def cold(x):  # the weights from memory: a different copy each call
                     state["i"] = (state["i"] + 1) % len(copies)
-                    blocks.mm(x, [copies[state["i"]]], [t], isa)
+                    blocks.mm(x, [copies[state["i"]]], [layout], isa)
 
                 seconds = 0.1 if args.quick else 0.3
                 t1, t4 = timed(lambda: cold(x1), seconds), timed(lambda: cold(x4), seconds)
-                t1_hot = timed(lambda: blocks.mm(x1, [hot], [t], isa), seconds)
-                t4_hot = timed(lambda: blocks.mm(x4, [hot], [t], isa), seconds)
+                cached = hot[:max(16, min(n, IN_CACHE // row_bytes // 16 * 16))]  # whole slabs of 16 rows (panels)
+                hot_times = {rows: timed(lambda x=torch.randn(rows, k): blocks.mm(x, [cached], [layout], isa), seconds)
+                             for rows in (1, 2, 4, 8)}
+                weights = cached.shape[0] * k / 1024 / args.threads  # per thread
+                compute = ", ".join(f"{hot_times[rows] / weights * 1e9:.1f}" for rows in hot_times)
                 prefill = mm_gops = ""
                 if not args.quick:
                     x512 = torch.randn(512, k)
-                    tp = timed(lambda: blocks.mm(x512, [hot], [t], isa), 0.2, 2)
+                    tp = timed(lambda: blocks.mm(x512, [hot], [layout], isa), 0.2, 2)
                     prefill = f"{2 * 512 * n * k / tp / 1e9:.0f}"
                     if int_mm is None:
                         a = torch.randint(-127, 128, (512, k), dtype=torch.int8)
                         b = torch.randint(-127, 128, (k, n), dtype=torch.int8)
                         int_mm = 2 * 512 * n * k / timed(lambda: torch._int_mm(a, b), 0.2, 2) / 1e9
                     mm_gops = f"{int_mm:.0f}"
-                print(f"| {name} {n}x{k} | {t} | {isa} | {t1 * 1e6:.0f} | {size / t1 / 1e9:.1f} | "
-                      f"{100 * size / t1 / bw:.0f} | {t4 / t1:.2f} ({t4_hot / t1_hot:.2f}) | {prefill} | {mm_gops} |", flush=True)
+                print(f"| {name} {n}x{k} | {t} | {isa} | {layout} | {t1 * 1e6:.0f} | {size / t1 / 1e9:.1f} | "
+                      f"{100 * size / t1 / bw:.0f} | {t4 / t1:.2f} ({hot_times[4] / hot_times[1]:.2f}) | {compute} | "
+                      f"{prefill} | {mm_gops} |", flush=True)
 
 
 if __name__ == "__main__":
