@@ -91,8 +91,10 @@ def measure(isa: str) -> tuple[float, list[tuple[str, int, float]]]:
 
 
 def main():
-    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
     print(describe())
+    if "avx2" not in flags:
+        raise SystemExit("bench.pipes times x86-64 AVX2 and AVX-512 instructions: this CPU has no AVX2 (or no /proc/cpuinfo)")
     for isa in ("avx512vnni", "avx2"):
         if isa == "avx512vnni" and "avx512_vnni" not in flags:
             continue
