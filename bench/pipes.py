@@ -47,20 +47,27 @@ YMM = {
     "vpermq (permute)": "vpermq $0x4e, %%ymm13, %%ymm{i}",
     "vbroadcasti128 (load, both halves)": "vbroadcasti128 (%1), %%ymm{i}",
 }
-PATHS = {  # name: (the dots of one loop, what they are, the other operations, their first register, how many)
-    "avx512vnni": ("".join(f"vpdpbusd %%zmm24, %%zmm25, %%zmm{i}\\n" for i in range(16)), "16 VPDPBUSD (zmm)", ZMM, 16, 8),
+PATHS = {  # name: (the dots of one loop, what they are, the other operations, their first register, how many,
+    #                 vector registers in use, the compiler's flags)
+    "avx512vnni": ("".join(f"vpdpbusd %%zmm24, %%zmm25, %%zmm{i}\\n" for i in range(16)), "16 VPDPBUSD (zmm)", ZMM, 16, 8,
+                   32, ["-mavx512f"]),
     "avx2": ("".join(f"vpmaddubsw %%ymm14, %%ymm15, %%ymm{i}\\n vpmaddwd %%ymm13, %%ymm{i}, %%ymm{i}\\n" for i in range(8)),
-             "8 VPMADDUBSW + 8 VPMADDWD (ymm)", YMM, 8, 4),
+             "8 VPMADDUBSW + 8 VPMADDWD (ymm)", YMM, 8, 4, 16, ["-mavx2"]),
 }
 
 
 def program(isa: str) -> str:
     """C source timing the path's dots alone, then beside 8 and 16 of each other operation."""
-    dots, _, ops, first, registers = PATHS[isa]
+    dots, _, ops, first, registers, used, _ = PATHS[isa]
     runs = [("nothing", 0, "")] + [(name, count, "".join(op.format(i=first + j % registers) + "\\n" for j in range(count)))
                                    for name, op in ops.items() for count in (8, 16)]
-    body = "".join(f'  run("{name}", {count}, ({{ long n = LOOPS; double t = now(); __asm__ volatile("1:\\n{dots}{extra}'
-                   f'dec %0\\n jnz 1b\\n" : "+r"(n) : "r"(buf) : "memory"); now() - t; }}));\n' for name, count, extra in runs)
+    # every register zeroed first (no denormal or NaN operand to slow an fp32 operation), all declared clobbered
+    zero = "".join(f"vpxor %%xmm{i}, %%xmm{i}, %%xmm{i}\\n" if i < 16 else f"vpxord %%zmm{i}, %%zmm{i}, %%zmm{i}\\n"
+                   for i in range(used))
+    clobbers = ", ".join(f'"xmm{i}"' for i in range(used))
+    body = "".join(f'  run("{name}", {count}, ({{ long n = LOOPS; double t = now(); __asm__ volatile("{zero}1:\\n{dots}'
+                   f'{extra}dec %0\\n jnz 1b\\n" : "+r"(n) : "r"(buf) : "memory", {clobbers}); now() - t; }}));\n'
+                   for name, count, extra in runs)
     return textwrap.dedent(f"""\
         #include <stdio.h>
         #include <time.h>
@@ -84,7 +91,7 @@ def measure(isa: str) -> tuple[float, list[tuple[str, int, float]]]:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "pipes.c")
         path.write_text(source)
-        subprocess.run(["cc", "-O2", "-o", str(path.with_suffix("")), str(path)], check=True)
+        subprocess.run(["cc", "-O2", *PATHS[isa][6], "-o", str(path.with_suffix("")), str(path)], check=True)
         lines = subprocess.run([str(path.with_suffix(""))], check=True, capture_output=True, text=True).stdout
     rows = [(name, int(count), float(cycles)) for name, count, cycles in (line.split("\t") for line in lines.splitlines())]
     return rows[0][2], rows[1:]
