@@ -3,7 +3,7 @@
 The block kernels' tiles (csrc/blocks.cpp) are bound by their arithmetic once several rows share a read of
 the weights: each row's integer dots (VPDPBUSD on the AVX-512 VNNI path, VPMADDUBSW + VPMADDWD on AVX2),
 its fp32 scaling (a multiply and two fused multiply-adds a group and column pair) and each column's unpacking
-(ANDs, shifts, inserts, permutes, converts). What one of them costs beside the dots depends on which
+(ANDs, shifts, inserts, permutes, converts); and the integer multiplies a scale could take instead. What one of them costs beside the dots depends on which
 execution pipes the CPU gives it. This times, in a loop of inline assembly with no dependences between
 iterations, 16 dot instructions alone and then beside 8 and 16 of each other operation, in core cycles
 (the clock measured by a chain of dependent adds, one a cycle): an operation whose 8 add about 8 cycles
@@ -28,6 +28,8 @@ LOOPS = 20_000_000
 ZMM = {
     "vfmadd231ps (fp32 multiply-add)": "vfmadd231ps %%zmm24, %%zmm26, %%zmm{i}",
     "vmulps (fp32 multiply)": "vmulps %%zmm24, %%zmm26, %%zmm{i}",
+    "vpmulld (int32 multiply)": "vpmulld %%zmm24, %%zmm26, %%zmm{i}",
+    "vpmaddwd (int16 multiply, pairs added)": "vpmaddwd %%zmm24, %%zmm26, %%zmm{i}",
     "vcvtdq2ps (int32 to fp32)": "vcvtdq2ps %%zmm26, %%zmm{i}",
     "vpaddd (int32 add)": "vpaddd %%zmm24, %%zmm26, %%zmm{i}",
     "vpandd (and)": "vpandd %%zmm24, %%zmm26, %%zmm{i}",
@@ -39,6 +41,8 @@ ZMM = {
 YMM = {
     "vfmadd231ps (fp32 multiply-add)": "vfmadd231ps %%ymm12, %%ymm13, %%ymm{i}",
     "vmulps (fp32 multiply)": "vmulps %%ymm12, %%ymm13, %%ymm{i}",
+    "vpmulld (int32 multiply)": "vpmulld %%ymm12, %%ymm13, %%ymm{i}",
+    "vpmaddwd (int16 multiply, pairs added)": "vpmaddwd %%ymm12, %%ymm13, %%ymm{i}",
     "vcvtdq2ps (int32 to fp32)": "vcvtdq2ps %%ymm13, %%ymm{i}",
     "vpaddd (int32 add)": "vpaddd %%ymm12, %%ymm13, %%ymm{i}",
     "vpand (and)": "vpand %%ymm12, %%ymm13, %%ymm{i}",
