@@ -3,9 +3,9 @@
 For the 1B Llama's matrices (K = 2048: qkv 3072, o 2048, gate+up 16384, down 2048 x 8192, head 49152) in
 Q4_K and Q6_K, Qwen3 4B's largest (qkv 6144, gate+up 19456 of K = 2560, down 2560 x 9728, head 151936), and
 the 135M SmolLM2's (hidden 576: qkv 960, o 576, gate+up 3072, down 576 x 1536, head 49152) in Q4_1 and Q8_0,
-on each instruction-set path, the weights in the layout that path reads them in (``blocks.group``: grouped, or
-in panels where the path reads the type so, as the model's parts are unless they are shared with the embedding;
-``--file-layout``: as the file stores them):
+on each instruction-set path, the weights in the layout that path reads them in as the model loads them
+(``blocks.group``: grouped, or in panels where the path reads the type so, except a head, which never takes
+panels; ``--file-layout``: as the file stores them):
   decode (1 row): microseconds, GB/s of weights read, % of this machine's read bandwidth (torch sum over
     1 GiB, measured here); the weights rotate through 1 GiB of copies so that they come from memory;
   verify (4 rows): time / the 1-row time, weights from memory (and in parentheses both from cache: the
@@ -91,7 +91,8 @@ def main():
             hot = copies[0]
             for isa in isas:
                 # random bytes either way: rearranging the pool in place for each path only moves them
-                layout = t if args.file_layout else [blocks.group(c, t, isa, panels=True) for c in copies][0]
+                panels = "head" not in name  # as gguf_file.load lays out the head (and a tied embedding)
+                layout = t if args.file_layout else [blocks.group(c, t, isa, panels=panels) for c in copies][0]
                 x1, x4 = torch.randn(1, k), torch.randn(4, k)
                 state = {"i": 0}
 
