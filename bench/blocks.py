@@ -90,9 +90,10 @@ def main():
             copies = [pool[i * size : (i + 1) * size].view(n, row_bytes) for i in range(max(1, POOL // size))]
             hot = copies[0]
             for isa in isas:
-                # random bytes either way: rearranging the pool in place for each path only moves them
-                panels = "head" not in name  # as gguf_file.load lays out the head (and a tied embedding)
-                layout = t if args.file_layout else [blocks.group(c, t, isa, panels=panels) for c in copies][0]
+                layout = t
+                if not args.file_layout:  # random bytes either way: rearranging the pool for each path only moves them
+                    for copy in copies:  # a head never in panels, as gguf_file.load lays it out (a tied embedding too)
+                        layout = blocks.group(copy, t, isa, panels="head" not in name)
                 x1, x4 = torch.randn(1, k), torch.randn(4, k)
                 state = {"i": 0}
 
