@@ -6,7 +6,8 @@ import threading
 import pytest
 
 from tornchat import prompt
-from tornchat.engine import speculate
+from tornchat.engine import scheduler, speculate
+from tornchat.engine.model import PREFILL_CHUNK
 from tornchat.engine.slots import SlotPool
 from tornchat.engine.types import GenerationRequest, SamplingParams
 from tornchat.engine.worker import Engine
@@ -144,3 +145,62 @@ def test_a_steps_events_are_handed_on_once_every_generation_in_it_has_moved_on(s
         assert three.stats.counters["completed"] == 3
     finally:
         three.close()
+
+
+def test_a_shared_prefill_chunk_is_sized_by_the_rows_measured_cost():
+    """Alone a prompt takes whole PREFILL_CHUNK chunks; beside a stream, as many rows as the last prompt rows'
+    cost fits in SHARED_GAP_S, within SHARED_CHUNK_MIN (also before any cost was measured) and PREFILL_CHUNK."""
+    batch = scheduler.Batch(runner=None, limit=4)
+    assert batch.chunk_rows() == PREFILL_CHUNK
+    batch.streams = 1
+    assert batch.chunk_rows() == scheduler.SHARED_CHUNK_MIN
+    batch.row_seconds = scheduler.SHARED_GAP_S / 300
+    assert batch.chunk_rows() == 300
+    batch.row_seconds = scheduler.SHARED_GAP_S  # a row as slow as the whole gap: the prompt still moves on
+    assert batch.chunk_rows() == scheduler.SHARED_CHUNK_MIN
+    batch.row_seconds = scheduler.SHARED_GAP_S / 10_000
+    assert batch.chunk_rows() == PREFILL_CHUNK
+
+
+def test_a_prompt_read_beside_a_stream_is_read_in_small_chunks_with_the_same_reply(smol, runner, monkeypatch):
+    """A long prompt admitted while another request streams shares its forwards in chunks of the rows the gap
+    allows (here the least, SHARED_CHUNK_MIN, made 16), so the stream's next token waits one small chunk, not a
+    whole PREFILL_CHUNK; alone the same prompt is one chunk. Both replies are the ones their requests get alone."""
+    monkeypatch.setattr(scheduler, "SHARED_GAP_S", 0.0)
+    monkeypatch.setattr(scheduler, "SHARED_CHUNK_MIN", 16)
+    forwards: list[list[tuple[int, bool]]] = []  # per forward: (rows, every) of each generation in it
+    forward_many = runner.forward_many
+    monkeypatch.setattr(runner, "forward_many", lambda batch: forwards.append(
+        [(len(ids), every) for ids, _, every in batch]) or forward_many(batch))
+    stops = prompt.stop_token_ids(smol.tokenizer, smol.generation_config)
+    endless = SamplingParams(temperature=0.0, options={"logit_bias": tuple((t, -100.0) for t in sorted(stops))})
+    streaming = GenerationRequest(requests(smol)[0].prompt_ids, sampling=endless, max_tokens=120)
+    long_ids = prompt.encode(smol.tokenizer, prompt.render(smol.tokenizer, [
+        {"role": "user", "content": "Summarize this. " + " ".join(TEXTS * 10)}]))
+    assert 4 * scheduler.SHARED_CHUNK_MIN < len(long_ids) <= PREFILL_CHUNK
+    reading = GenerationRequest(long_ids, sampling=SamplingParams(temperature=0.8, seed=3), max_tokens=8)
+    solo = engine(runner, smol, parallel=2)
+    try:
+        alone = [reply(list(solo.generate(streaming)))]
+        forwards.clear()
+        alone.append(reply(list(solo.generate(reading))))
+        assert len([forward for forward in forwards if not forward[0][1]]) == 1  # its prompt in one chunk
+    finally:
+        solo.close()
+    two = engine(runner, smol, parallel=2)  # its own KV slots: the long prompt read afresh
+    try:
+        forwards.clear()
+        inboxes = [queue.SimpleQueue(), queue.SimpleQueue()]
+        two.submit(streaming, inboxes[0].put)
+        events = [[inboxes[0].get(timeout=120)], []]  # streaming when the long prompt arrives
+        two.submit(reading, inboxes[1].put)
+        for i in (1, 0):
+            events[i].append(inboxes[i].get(timeout=120))
+            while not events[i][-1].is_last:
+                events[i].append(inboxes[i].get(timeout=120))
+        assert [reply(e) for e in events] == alone
+        shared = [rows for forward in forwards if len(forward) == 2 for rows, every in forward if not every]
+        assert len(shared) >= 4 and set(shared[:-1]) == {scheduler.SHARED_CHUNK_MIN}  # the last: what is left
+        assert shared[-1] <= scheduler.SHARED_CHUNK_MIN
+    finally:
+        two.close()

@@ -64,6 +64,7 @@ def generate(
     counters: dict,
     speculation: speculate.Costs | None = None,
     generations: Callable[[], int] = lambda: 1,
+    chunk_rows: Callable[[], int] = lambda: PREFILL_CHUNK,
 ) -> Generator[Forward, torch.Tensor, None]:
     """Run one request to completion, calling emit for each piece of text; yields each ``Forward`` it needs
     and is sent its logits (scheduler.py).
@@ -74,6 +75,9 @@ def generate(
     through the same steps as a plain step's logits, in order, so the text is
     the same with or without it (the sampler's randomness is keyed by the
     token's index in the reply).
+
+    ``chunk_rows()``: how many prompt tokens the next prefill chunk takes (fewer where other generations stream
+    beside it: ``scheduler.Batch.chunk_rows``); a chunk's size changes no row's logits.
 
     Returns quietly if cancelled() turns true; raises on a model failure
     (after dropping the slot, whose cache may be half-written). The slot is
@@ -89,13 +93,15 @@ def generate(
 
     try:
         runner.reserve(slot.cache, len(prompt) + 1)  # the prompt and the first token: one allocation, not one a chunk
-        for start in range(reused, len(prompt), PREFILL_CHUNK):
+        start = reused
+        while start < len(prompt):
             if cancelled():
                 return
-            chunk = prompt[start : start + PREFILL_CHUNK]
+            chunk = prompt[start : start + chunk_rows()]
             logits = (yield Forward(chunk, slot.cache, False))[0]
             slot.tokens.extend(chunk)
             counters["prefill_tokens"] += len(chunk)
+            start += len(chunk)
 
         chooser = Chooser(request, prompt, logits.shape[-1], logits.device, tokenizer)
         # The device's stop table spells special tokens as nothing: where some are kept in the text, the host's

@@ -7,16 +7,31 @@ and sends each its own logits back. The C++ forward computes each row by
 itself, so a generation's reply is the same batched as alone; a batch
 reads every weight once for all its rows, which is what makes N streams
 cheaper than N times one.
+
+A prompt read while other generations stream shares their forwards, so its
+chunk's size is the streams' gap between tokens: ``Batch.chunk_rows`` sizes
+it to about ``SHARED_GAP_S`` by the rows' measured cost (a chunk's size
+changes no row's bits).
 """
+import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 
 import torch
 
 from tornchat.engine.decode import Forward
-from tornchat.engine.model import Runner
+from tornchat.engine.model import PREFILL_CHUNK, Runner
 
 Finish = Callable[[BaseException | None], None]  # called once when a generation ends; the exception if it failed
+
+# How long a forward that reads a prompt chunk beside streaming generations should take: their gap between tokens
+# while the prompt is read (llama-server holds its streams for a whole prompt). Each smaller chunk reads the weights
+# once more and spreads the block kernels' unpacking over fewer rows, so a chunk takes SHARED_CHUNK_MIN rows at
+# least: where that takes longer than the gap (a 1B and larger on 2 cores), the streams wait a little longer and the
+# prompt's first token comes 1.0-1.2x later than alone; at some 40-55 rows (a 1B's 0.25 s) it came 1.2-1.5x later
+# (AMD Zen 4, docs/performance.md, 2026-12-07).
+SHARED_GAP_S = 0.25
+SHARED_CHUNK_MIN = 128  # also the size before any chunk's cost was measured
 
 
 @dataclass(eq=False)
@@ -37,6 +52,8 @@ class Batch:
         self.running: list[Running] = []
         self.largest = 0  # most generations one forward has served (tests, /metrics)
         self.stepped = 1  # generations in the last forward: what a draft's rows are weighed against
+        self.streams = 0  # generations past their prompt in the last forward (or now, at an admission)
+        self.row_seconds: float | None = None  # the last forward that read prompt rows: its seconds per such row
 
     def __len__(self) -> int:
         return len(self.running)
@@ -46,7 +63,18 @@ class Batch:
 
     def add(self, generation: Generator[Forward, torch.Tensor, None], finish: Finish) -> None:
         """Start a generation: it runs up to the first forward it needs (or to its end)."""
+        self.streams = sum(r.pending.every for r in self.running)
         self._advance(generation, finish, lambda: next(generation))
+
+    def chunk_rows(self) -> int:
+        """Rows a prompt's next prefill chunk may take: PREFILL_CHUNK while no other generation streams; beside
+        streams, as many as take SHARED_GAP_S at the last prompt rows' measured cost (a forward's fixed cost
+        counted in it, so that the size settles where the whole forward takes about that long)."""
+        if not self.streams:
+            return PREFILL_CHUNK
+        if self.row_seconds is None:
+            return SHARED_CHUNK_MIN
+        return max(SHARED_CHUNK_MIN, min(PREFILL_CHUNK, int(SHARED_GAP_S / self.row_seconds)))
 
     def step(self) -> None:
         """One forward over every running generation's rows; each goes on to the forward it needs next. A lone
@@ -54,12 +82,17 @@ class Batch:
         running, self.running = self.running, []
         self.stepped = len(running)
         self.largest = max(self.largest, len(running))
+        self.streams = sum(r.pending.every for r in running)
+        prompt_rows = sum(len(r.pending.token_ids) for r in running if not r.pending.every)
         try:
             if len(running) == 1 and running[0].pending.choice is not None:
                 token_ids, cache, _, choice = running[0].pending
                 results = [[self.runner.choose_step(token_ids[0], cache, choice)]]
             else:
+                started = time.perf_counter()
                 results = self.runner.forward_many([r.pending[:3] for r in running])
+                if prompt_rows:  # on CUDA what the host waited for, at most the device's time: chunks stay whole
+                    self.row_seconds = (time.perf_counter() - started) / prompt_rows
         except Exception as exc:  # the model failed: every generation in the forward fails with it
             for r in running:
                 self._advance(r.generation, r.finish, lambda r=r, exc=exc: r.generation.throw(exc))
