@@ -12,6 +12,7 @@ the counts take turns N times on that server and the table gives medians
 this machine's speed drifts by 10% from one minute to the next.
 
     python -m bench.parallel [--checkpoint-path FILE.gguf] [--tokens 128] [--threads 2] [--rounds 1] [--speculate none]
+                             [--long-prompt 2000]
 
 --speculate passes tornchat's option of that name: with its default a lone
 stream may verify drafts of several rows a step, which is what more streams
@@ -20,6 +21,12 @@ share, so none gives the ratios of plain steps.
 After the rounds, tornchat's `n`: 4 seeded choices of one prompt in one
 request, against 4 separate requests of it (seeds 7 .. 10) at once and one
 after another, in wall seconds (llama-server's chat endpoint has no `n`).
+
+Then, per system and round, a stream's gaps while another request's prompt
+of about --long-prompt tokens (workloads.long_messages, a fresh one each time,
+so that no KV cache holds it) is read beside it: the stream's median wait
+between two pieces, its longest while the prompt is read, and that prompt's
+time to first token beside the stream and alone.
 
 Prints a markdown table; the CPU it ran on comes first.
 """
@@ -31,9 +38,10 @@ import sys
 import threading
 import time
 
-from bench import agents_apis, e2e, servers
+from bench import agents_apis, e2e, servers, workloads
 from bench.common import free_port
 from tornchat import checkpoint
+from tornchat.weights import gguf_file
 
 PROMPTS = [
     "Write a long story about a dragon who learns to bake bread.",
@@ -44,9 +52,11 @@ PROMPTS = [
 COUNTS = (1, 2, 4)
 
 
-def stream(port: int, model: str, text: str, tokens: int) -> dict:
-    """One streamed greedy chat completion: its text, token count, and times of its first and last piece."""
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": tokens,
+def stream(port: int, model: str, text: str | list[dict], tokens: int, times: list[float] | None = None) -> dict:
+    """One streamed greedy chat completion of a user's text (or of messages): its text, token count, and times of
+    its first and last piece; each piece's time appended to ``times`` as it comes."""
+    messages = [{"role": "user", "content": text}] if isinstance(text, str) else text
+    body = {"model": model, "messages": messages, "max_tokens": tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -61,6 +71,8 @@ def stream(port: int, model: str, text: str, tokens: int) -> dict:
             if piece := (choice.get("delta") or {}).get("content"):
                 first = first or time.perf_counter()
                 pieces.append(piece)
+                if times is not None:
+                    times.append(time.perf_counter())
     connection.close()
     ended = time.perf_counter()
     return {"text": "".join(pieces), "tokens": usage["completion_tokens"] if usage else len(pieces),
@@ -82,15 +94,17 @@ def concurrent(port: int, model: str, count: int, tokens: int) -> list[dict]:
 
 
 def measure(system: e2e.System, port: int, threads: int, tokens: int, rounds: int = 1,
-            choices: bool = False) -> tuple[dict, dict | None]:
-    """The rounds' summary, and with ``choices`` the `n` timings (``choices_wall``)."""
+            choices: bool = False, long: list[tuple[list[dict], list[dict]]] = ()) -> tuple[dict, dict | None, list]:
+    """The rounds' summary, with ``choices`` the `n` timings (``choices_wall``), and per (beside, alone) pair of
+    long prompts in ``long`` the gaps a stream sees while one is read (``gaps_while_reading``)."""
     server = e2e.launch(system, port, threads)
     try:
         servers.wait_ready(server, e2e.STARTUP_TIMEOUT_S)
         solo = [stream(port, system.model, text, tokens) for text in PROMPTS]  # also warms the server up
         rows = summarize([{count: one_count(port, system.model, count, tokens, solo) for count in COUNTS}
                           for _ in range(rounds)])
-        return rows, choices_wall(port, system.model, tokens) if choices else None
+        wall = choices_wall(port, system.model, tokens) if choices else None
+        return rows, wall, [gaps_while_reading(port, system.model, tokens, beside, alone) for beside, alone in long]
     finally:
         servers.stop(server)
 
@@ -136,6 +150,25 @@ def one_count(port: int, model: str, count: int, tokens: int, solo: list[dict]) 
     }
 
 
+def gaps_while_reading(port: int, model: str, tokens: int, beside: list[dict], alone: list[dict]) -> dict:
+    """A stream's median wait between pieces and its longest while the long prompt ``beside`` is read next to it;
+    that prompt's time to first token there, and of the same-sized ``alone`` with nothing else running."""
+    ttft_alone = stream(port, model, alone, 4)["ttft"]
+    times: list[float] = []
+    streaming = threading.Thread(target=stream, args=(port, model, PROMPTS[0], tokens, times))
+    streaming.start()
+    while len(times) < 8 and streaming.is_alive():
+        time.sleep(0.01)
+    read = stream(port, model, beside, 4)
+    streaming.join()
+    if len(times) < 8 or times[-1] < read["started"] + read["ttft"]:
+        raise RuntimeError("the stream ended before the long prompt was read: raise --tokens")
+    gaps = [(b - a, b) for a, b in zip(times, times[1:])]
+    while_read = [gap for gap, at in gaps if read["started"] < at <= read["started"] + read["ttft"] + gap]
+    return {"median_gap_s": statistics.median(gap for gap, at in gaps if at <= read["started"]),
+            "longest_gap_s": max(while_read), "ttft_beside_s": read["ttft"], "ttft_alone_s": ttft_alone}
+
+
 def summarize(runs: list[dict]) -> dict:
     """Rounds of {count: one_count's row} -> per count: the median rate and its range, the median and range of
     each round's ratio to that round's one stream, the worst first token of all rounds, and the fewest
@@ -158,9 +191,14 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=1, help="the stream counts take turns this many times")
     parser.add_argument("--speculate", help="tornchat's --speculate (default: its own default)")
+    parser.add_argument("--long-prompt", type=int, default=2000,
+                        help="tokens of the prompt read beside a stream (default 2000; 0: skip that measure)")
     e2e.add_baseline_arguments(parser)
     args = parser.parse_args()
     model = args.checkpoint_path or checkpoint.default_gguf_path()
+    tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(model))
+    long = [tuple(workloads.long_messages(2 * i + j, args.long_prompt, tokenizer) for j in (0, 1))
+            for i in range(args.rounds if args.long_prompt else 0)]
     slots = max(COUNTS)
     port = free_port()
     tornchat = e2e.tornchat_systems(args.threads, port, model)[0]
@@ -169,12 +207,13 @@ def main() -> int:
     llama = e2e.llamacpp_system(args.threads, port, model, e2e.find_llama_server(args.llama_server), 4096 * slots)
     llama.command += ["-np", str(slots)]
     print(e2e.machine(args.threads, e2e.find_llama_server(args.llama_server)))
-    results, choices = {}, None
+    results, choices, gaps = {}, None, {}
     for system in (tornchat, llama):
         if system.skip:
             print(f"{system.name}: skipped ({system.skip})")
             continue
-        results[system.name], wall = measure(system, port, args.threads, args.tokens, args.rounds, system is tornchat)
+        results[system.name], wall, gaps[system.name] = measure(system, port, args.threads, args.tokens, args.rounds,
+                                                                system is tornchat, long)
         if system is tornchat:
             choices = wall
     print(f"\n{model.name}, {args.tokens} new tokens a stream, greedy, {args.threads} threads, {slots} slots, "
@@ -192,6 +231,15 @@ def main() -> int:
         print(f"\ntornchat `n`, {args.tokens} tokens a choice, seeded: 4 choices in one request "
               f"{choices['one_request']:.2f} s, 4 separate requests at once {choices['at_once']:.2f} s, "
               f"one after another {choices['one_after_another']:.2f} s")
+    if long:
+        print(f"\nA stream's gaps while a prompt of about {args.long_prompt} tokens is read beside it (a fresh prompt "
+              "each round), and that prompt's time to first token beside the stream and alone:\n")
+        print("| system | round | stream's median gap | longest gap while the prompt is read | TTFT beside | TTFT alone |")
+        print("|---|---|---|---|---|---|")
+        for name, rounds in gaps.items():
+            for i, row in enumerate(rounds, 1):
+                print(f"| {name} | {i} | {1e3 * row['median_gap_s']:.0f} ms | {1e3 * row['longest_gap_s']:.0f} ms "
+                      f"| {row['ttft_beside_s']:.2f} s | {row['ttft_alone_s']:.2f} s |")
     return 0
 
 
