@@ -147,24 +147,22 @@ def test_a_steps_events_are_handed_on_once_every_generation_in_it_has_moved_on(s
         three.close()
 
 
-def test_a_shared_prefill_chunk_is_sized_by_the_rows_measured_cost():
-    """Alone a prompt takes whole PREFILL_CHUNK chunks; beside a stream, as many rows as the last prompt rows'
-    cost fits in SHARED_GAP_S, within SHARED_CHUNK_MIN (also before any cost was measured) and PREFILL_CHUNK."""
+def test_a_shared_prompt_chunk_is_sized_by_the_rows_measured_cost():
+    """Beside other generations each prompt chunk reads as many rows as, together, the last prompt rows' cost fits
+    in SHARED_GAP_S, within SHARED_CHUNK_MIN (also before any cost was measured) and PREFILL_CHUNK."""
     batch = scheduler.Batch(runner=None, limit=4)
-    assert batch.chunk_rows() == PREFILL_CHUNK
-    batch.streams = 1
-    assert batch.chunk_rows() == scheduler.SHARED_CHUNK_MIN
-    batch.row_seconds = scheduler.SHARED_GAP_S / 300
-    assert batch.chunk_rows() == 300
+    assert batch.shared_rows(1) == scheduler.SHARED_CHUNK_MIN
+    batch.row_seconds = scheduler.SHARED_GAP_S / 400
+    assert batch.shared_rows(1) == 400 and batch.shared_rows(2) == 200  # two prompts share the gap
     batch.row_seconds = scheduler.SHARED_GAP_S  # a row as slow as the whole gap: the prompt still moves on
-    assert batch.chunk_rows() == scheduler.SHARED_CHUNK_MIN
+    assert batch.shared_rows(1) == scheduler.SHARED_CHUNK_MIN
     batch.row_seconds = scheduler.SHARED_GAP_S / 10_000
-    assert batch.chunk_rows() == PREFILL_CHUNK
+    assert batch.shared_rows(1) == PREFILL_CHUNK
 
 
 def test_a_prompt_read_beside_a_stream_is_read_in_small_chunks_with_the_same_reply(smol, runner, monkeypatch):
-    """A long prompt admitted while another request streams shares its forwards in chunks of the rows the gap
-    allows (here the least, SHARED_CHUNK_MIN, made 16), so the stream's next token waits one small chunk, not a
+    """A long prompt admitted while another request streams is read in the rows the gap allows (here the least,
+    SHARED_CHUNK_MIN, made 16) of each forward it shares, so the stream's next token waits one small chunk, not a
     whole PREFILL_CHUNK; alone the same prompt is one chunk. Both replies are the ones their requests get alone."""
     monkeypatch.setattr(scheduler, "SHARED_GAP_S", 0.0)
     monkeypatch.setattr(scheduler, "SHARED_CHUNK_MIN", 16)
@@ -202,5 +200,53 @@ def test_a_prompt_read_beside_a_stream_is_read_in_small_chunks_with_the_same_rep
         shared = [rows for forward in forwards if len(forward) == 2 for rows, every in forward if not every]
         assert len(shared) >= 4 and set(shared[:-1]) == {scheduler.SHARED_CHUNK_MIN}  # the last: what is left
         assert shared[-1] <= scheduler.SHARED_CHUNK_MIN
+    finally:
+        two.close()
+
+
+def test_a_request_arriving_while_a_long_prompt_is_read_waits_for_a_small_chunk(smol, runner, monkeypatch):
+    """A short request admitted while a long prompt is read alone (512 rows a forward) shares the next forward,
+    where the long prompt's chunk, already offered whole, is read in fewer rows: the short prompt's first token
+    waits for those, not for 512 more. Both replies are the ones their requests get alone."""
+    monkeypatch.setattr(scheduler, "SHARED_GAP_S", 0.0)
+    monkeypatch.setattr(scheduler, "SHARED_CHUNK_MIN", 16)
+    forwards: list[list[tuple[int, bool]]] = []
+    holding, first_chunk, admitted = threading.Event(), threading.Event(), threading.Event()
+    forward_many = runner.forward_many
+
+    def recorded(batch):
+        forwards.append([(len(ids), every) for ids, _, every in batch])
+        if holding.is_set() and forwards[-1] == [(PREFILL_CHUNK, False)] and not first_chunk.is_set():
+            first_chunk.set()  # the long prompt's first forward: hold it until the short request is queued
+            assert admitted.wait(60)
+        return forward_many(batch)
+
+    monkeypatch.setattr(runner, "forward_many", recorded)
+    long_ids = prompt.encode(smol.tokenizer, prompt.render(smol.tokenizer, [
+        {"role": "user", "content": "Summarize this. " + " ".join(TEXTS * 40)}]))
+    assert 2 * PREFILL_CHUNK < len(long_ids) < 4 * PREFILL_CHUNK
+    reading = GenerationRequest(long_ids, sampling=SamplingParams(temperature=0.0), max_tokens=4)
+    short = GenerationRequest(requests(smol)[2].prompt_ids, sampling=SamplingParams(temperature=0.0), max_tokens=4)
+    solo = engine(runner, smol, parallel=2)
+    try:
+        alone = [reply(list(solo.generate(request))) for request in (reading, short)]
+    finally:
+        solo.close()
+    two = engine(runner, smol, parallel=2)
+    try:
+        forwards.clear()
+        holding.set()
+        inboxes = [queue.SimpleQueue(), queue.SimpleQueue()]
+        two.submit(reading, inboxes[0].put)
+        assert first_chunk.wait(60)
+        two.submit(short, inboxes[1].put)
+        admitted.set()
+        events = [[inboxes[i].get(timeout=120)] for i in (0, 1)]
+        for inbox, got in zip(inboxes, events):
+            while not got[-1].is_last:
+                got.append(inbox.get(timeout=120))
+        assert [reply(e) for e in events] == alone
+        together = next(forward for forward in forwards if len(forward) == 2)
+        assert together == [(16, False), (16, False)]  # the long prompt's offered 512 rows, and the short one's
     finally:
         two.close()

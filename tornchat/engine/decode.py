@@ -29,8 +29,9 @@ from tornchat.engine.types import Event, GenerationRequest, PromptTooLong, Usage
 
 class Forward(NamedTuple):
     """A forward a generation asks for: token_ids appended to cache; ``every``: the logits of every row
-    [n, V] (a verify's, a step's), else of the last row [1, V] (a prefill chunk's). ``choice``: a one-token
-    step whose next token the runner may choose itself (``Runner.choose_step``): then the generation is sent
+    [n, V] (a verify's, a step's), else a prompt chunk that the scheduler may shorten: the generation is sent
+    (the logits of the last row read [1, V], how many rows were read). ``choice``: a one-token step whose next
+    token the runner may choose itself (``Runner.choose_step``): then the generation is sent
     [``choose.Chosen``] instead of the logits."""
 
     token_ids: list[int]
@@ -64,7 +65,6 @@ def generate(
     counters: dict,
     speculation: speculate.Costs | None = None,
     generations: Callable[[], int] = lambda: 1,
-    chunk_rows: Callable[[], int] = lambda: PREFILL_CHUNK,
 ) -> Generator[Forward, torch.Tensor, None]:
     """Run one request to completion, calling emit for each piece of text; yields each ``Forward`` it needs
     and is sent its logits (scheduler.py).
@@ -76,8 +76,8 @@ def generate(
     the same with or without it (the sampler's randomness is keyed by the
     token's index in the reply).
 
-    ``chunk_rows()``: how many prompt tokens the next prefill chunk takes (fewer where other generations stream
-    beside it: ``scheduler.Batch.chunk_rows``); a chunk's size changes no row's logits.
+    The prompt is offered PREFILL_CHUNK tokens at a time; beside other generations the scheduler reads fewer
+    (``scheduler.Batch.shared_rows``). A chunk's size changes no row's logits.
 
     Returns quietly if cancelled() turns true; raises on a model failure
     (after dropping the slot, whose cache may be half-written). The slot is
@@ -97,11 +97,11 @@ def generate(
         while start < len(prompt):
             if cancelled():
                 return
-            chunk = prompt[start : start + chunk_rows()]
-            logits = (yield Forward(chunk, slot.cache, False))[0]
-            slot.tokens.extend(chunk)
-            counters["prefill_tokens"] += len(chunk)
-            start += len(chunk)
+            last_row, read = yield Forward(prompt[start : start + PREFILL_CHUNK], slot.cache, False)
+            logits = last_row[0]
+            slot.tokens.extend(prompt[start : start + read])
+            counters["prefill_tokens"] += read
+            start += read
 
         chooser = Chooser(request, prompt, logits.shape[-1], logits.device, tokenizer)
         # The device's stop table spells special tokens as nothing: where some are kept in the text, the host's

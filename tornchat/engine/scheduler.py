@@ -8,10 +8,11 @@ itself, so a generation's reply is the same batched as alone; a batch
 reads every weight once for all its rows, which is what makes N streams
 cheaper than N times one.
 
-A prompt read while other generations stream shares their forwards, so its
-chunk's size is the streams' gap between tokens: ``Batch.chunk_rows`` sizes
-it to about ``SHARED_GAP_S`` by the rows' measured cost (a chunk's size
-changes no row's bits).
+A prompt chunk that shares a forward with other generations sets how long
+they wait for their next token (a stream's next piece, a new request's first
+one): there ``Batch.step`` reads fewer of its rows than offered, as many as
+take about ``SHARED_GAP_S`` at the rows' measured cost, and the generation
+learns how many (a chunk's size changes no row's bits).
 """
 import time
 from collections.abc import Callable, Generator
@@ -24,12 +25,12 @@ from tornchat.engine.model import PREFILL_CHUNK, Runner
 
 Finish = Callable[[BaseException | None], None]  # called once when a generation ends; the exception if it failed
 
-# How long a forward that reads a prompt chunk beside streaming generations should take: their gap between tokens
-# while the prompt is read (llama-server holds its streams for a whole prompt). Each smaller chunk reads the weights
-# once more and spreads the block kernels' unpacking over fewer rows, so a chunk takes SHARED_CHUNK_MIN rows at
-# least: where that takes longer than the gap (a 1B and larger on 2 cores), the streams wait a little longer and the
-# prompt's first token comes 1.0-1.2x later than alone; at some 40-55 rows (a 1B's 0.25 s) it came 1.2-1.5x later
-# (AMD Zen 4, docs/performance.md, 2026-12-07).
+# How long a forward that reads prompt chunks beside other generations should take: a stream's gap between tokens
+# while a prompt is read, or a new request's wait behind one (llama-server holds its streams for a whole prompt).
+# Each smaller chunk reads the weights once more and spreads the block kernels' unpacking over fewer rows, so a
+# chunk reads SHARED_CHUNK_MIN rows at least: where that takes longer than the gap (a 1B and larger on 2 cores),
+# the others wait a little longer and the prompt's first token comes 1.0-1.2x later than alone; at some 40-55 rows
+# (a 1B's 0.25 s) it came 1.2-1.5x later (AMD Zen 4, docs/performance.md, 2026-12-07).
 SHARED_GAP_S = 0.25
 SHARED_CHUNK_MIN = 128  # also the size before any chunk's cost was measured
 
@@ -52,7 +53,6 @@ class Batch:
         self.running: list[Running] = []
         self.largest = 0  # most generations one forward has served (tests, /metrics)
         self.stepped = 1  # generations in the last forward: what a draft's rows are weighed against
-        self.streams = 0  # generations past their prompt in the last forward (or now, at an admission)
         self.row_seconds: float | None = None  # the last forward that read prompt rows: its seconds per such row
 
     def __len__(self) -> int:
@@ -63,18 +63,15 @@ class Batch:
 
     def add(self, generation: Generator[Forward, torch.Tensor, None], finish: Finish) -> None:
         """Start a generation: it runs up to the first forward it needs (or to its end)."""
-        self.streams = sum(r.pending.every for r in self.running)
         self._advance(generation, finish, lambda: next(generation))
 
-    def chunk_rows(self) -> int:
-        """Rows a prompt's next prefill chunk may take: PREFILL_CHUNK while no other generation streams; beside
-        streams, as many as take SHARED_GAP_S at the last prompt rows' measured cost (a forward's fixed cost
-        counted in it, so that the size settles where the whole forward takes about that long)."""
-        if not self.streams:
-            return PREFILL_CHUNK
+    def shared_rows(self, prompts: int) -> int:
+        """Rows each of ``prompts`` prompt chunks reads in a forward beside other generations: together as many as
+        take SHARED_GAP_S at the last prompt rows' measured cost (a forward's fixed cost counted in it, so that the
+        size settles where the whole forward takes about that long), within SHARED_CHUNK_MIN and PREFILL_CHUNK."""
         if self.row_seconds is None:
             return SHARED_CHUNK_MIN
-        return max(SHARED_CHUNK_MIN, min(PREFILL_CHUNK, int(SHARED_GAP_S / self.row_seconds)))
+        return max(SHARED_CHUNK_MIN, min(PREFILL_CHUNK, int(SHARED_GAP_S / (self.row_seconds * prompts))))
 
     def step(self) -> None:
         """One forward over every running generation's rows; each goes on to the forward it needs next. A lone
@@ -82,8 +79,12 @@ class Batch:
         running, self.running = self.running, []
         self.stepped = len(running)
         self.largest = max(self.largest, len(running))
-        self.streams = sum(r.pending.every for r in running)
-        prompt_rows = sum(len(r.pending.token_ids) for r in running if not r.pending.every)
+        chunks = [r for r in running if not r.pending.every]
+        if chunks and len(running) > 1:  # others wait on this forward: each prompt read in fewer rows than offered
+            rows = self.shared_rows(len(chunks))
+            for r in chunks:
+                r.pending = r.pending._replace(token_ids=r.pending.token_ids[:rows])
+        prompt_rows = sum(len(r.pending.token_ids) for r in chunks)
         try:
             if len(running) == 1 and running[0].pending.choice is not None:
                 token_ids, cache, _, choice = running[0].pending
@@ -98,7 +99,8 @@ class Batch:
                 self._advance(r.generation, r.finish, lambda r=r, exc=exc: r.generation.throw(exc))
             return
         for r, logits in zip(running, results):
-            self._advance(r.generation, r.finish, lambda r=r, logits=logits: r.generation.send(logits))
+            sent = logits if r.pending.every else (logits, len(r.pending.token_ids))  # a chunk: how many rows read
+            self._advance(r.generation, r.finish, lambda r=r, sent=sent: r.generation.send(sent))
 
     def _advance(self, generation, finish: Finish, resume: Callable[[], Forward]) -> None:
         try:

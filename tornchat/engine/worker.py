@@ -338,6 +338,5 @@ class Engine:
             counters,
             self.speculation,
             lambda: self.batch.stepped,
-            self.batch.chunk_rows,
         )
         self.batch.add(generation, finish)
