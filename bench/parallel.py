@@ -26,7 +26,9 @@ Then, per system and round, a stream's gaps while another request's prompt
 of about --long-prompt tokens (workloads.long_messages, a fresh one each time,
 so that no KV cache holds it) is read beside it: the stream's median wait
 between two pieces, its longest while the prompt is read, and that prompt's
-time to first token beside the stream and alone.
+time to first token beside the stream and alone; and a short request's time
+to first token when it comes half a second into another such prompt's
+reading, and alone.
 
 Prints a markdown table; the CPU it ran on comes first.
 """
@@ -94,9 +96,10 @@ def concurrent(port: int, model: str, count: int, tokens: int) -> list[dict]:
 
 
 def measure(system: e2e.System, port: int, threads: int, tokens: int, rounds: int = 1,
-            choices: bool = False, long: list[tuple[list[dict], list[dict]]] = ()) -> tuple[dict, dict | None, list]:
-    """The rounds' summary, with ``choices`` the `n` timings (``choices_wall``), and per (beside, alone) pair of
-    long prompts in ``long`` the gaps a stream sees while one is read (``gaps_while_reading``)."""
+            choices: bool = False, long: list[tuple[list[dict], ...]] = ()) -> tuple[dict, dict | None, list]:
+    """The rounds' summary, with ``choices`` the `n` timings (``choices_wall``), and per (beside, alone, under)
+    triple of long prompts in ``long`` the gaps a stream sees while one is read (``gaps_while_reading``) and a
+    short request's wait behind one (``short_while_reading``)."""
     server = e2e.launch(system, port, threads)
     try:
         servers.wait_ready(server, e2e.STARTUP_TIMEOUT_S)
@@ -104,7 +107,8 @@ def measure(system: e2e.System, port: int, threads: int, tokens: int, rounds: in
         rows = summarize([{count: one_count(port, system.model, count, tokens, solo) for count in COUNTS}
                           for _ in range(rounds)])
         wall = choices_wall(port, system.model, tokens) if choices else None
-        return rows, wall, [gaps_while_reading(port, system.model, tokens, beside, alone) for beside, alone in long]
+        return rows, wall, [gaps_while_reading(port, system.model, tokens, beside, alone)
+                            | short_while_reading(port, system.model, under) for beside, alone, under in long]
     finally:
         servers.stop(server)
 
@@ -169,6 +173,18 @@ def gaps_while_reading(port: int, model: str, tokens: int, beside: list[dict], a
             "longest_gap_s": max(while_read), "ttft_beside_s": read["ttft"], "ttft_alone_s": ttft_alone}
 
 
+def short_while_reading(port: int, model: str, long: list[dict]) -> dict:
+    """The first prompt's time to first token when it comes half a second after the long prompt ``long`` (read
+    alone until then), and alone."""
+    ttft_alone = stream(port, model, PROMPTS[1], 4)["ttft"]
+    reading = threading.Thread(target=stream, args=(port, model, long, 4))
+    reading.start()
+    time.sleep(0.5)
+    ttft = stream(port, model, PROMPTS[1], 4)["ttft"]
+    reading.join()
+    return {"short_ttft_s": ttft, "short_ttft_alone_s": ttft_alone}
+
+
 def summarize(runs: list[dict]) -> dict:
     """Rounds of {count: one_count's row} -> per count: the median rate and its range, the median and range of
     each round's ratio to that round's one stream, the worst first token of all rounds, and the fewest
@@ -197,7 +213,7 @@ def main() -> int:
     args = parser.parse_args()
     model = args.checkpoint_path or checkpoint.default_gguf_path()
     tokenizer = checkpoint.tokenizer_from_gguf(gguf_file.GGUFFile(model))
-    long = [tuple(workloads.long_messages(2 * i + j, args.long_prompt, tokenizer) for j in (0, 1))
+    long = [tuple(workloads.long_messages(3 * i + j, args.long_prompt, tokenizer) for j in (0, 1, 2))
             for i in range(args.rounds if args.long_prompt else 0)]
     slots = max(COUNTS)
     port = free_port()
@@ -233,13 +249,16 @@ def main() -> int:
               f"one after another {choices['one_after_another']:.2f} s")
     if long:
         print(f"\nA stream's gaps while a prompt of about {args.long_prompt} tokens is read beside it (a fresh prompt "
-              "each round), and that prompt's time to first token beside the stream and alone:\n")
-        print("| system | round | stream's median gap | longest gap while the prompt is read | TTFT beside | TTFT alone |")
-        print("|---|---|---|---|---|---|")
+              "each time), that prompt's time to first token beside the stream and alone; a short request's time to "
+              "first token 0.5 s into such a prompt's reading, and alone:\n")
+        print("| system | round | stream's median gap | longest gap while the prompt is read | TTFT beside | TTFT alone "
+              "| short request's TTFT behind a prompt | alone |")
+        print("|---|---|---|---|---|---|---|---|")
         for name, rounds in gaps.items():
             for i, row in enumerate(rounds, 1):
                 print(f"| {name} | {i} | {1e3 * row['median_gap_s']:.0f} ms | {1e3 * row['longest_gap_s']:.0f} ms "
-                      f"| {row['ttft_beside_s']:.2f} s | {row['ttft_alone_s']:.2f} s |")
+                      f"| {row['ttft_beside_s']:.2f} s | {row['ttft_alone_s']:.2f} s | {row['short_ttft_s']:.2f} s "
+                      f"| {row['short_ttft_alone_s']:.2f} s |")
     return 0
 
 
