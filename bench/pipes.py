@@ -3,8 +3,8 @@
 The block kernels' tiles (csrc/blocks.cpp) are bound by their arithmetic once several rows share a read of
 the weights: each row's integer dots (VPDPBUSD on the AVX-512 VNNI path, VPMADDUBSW + VPMADDWD on AVX2),
 its fp32 scaling (a multiply and two fused multiply-adds a group and column pair) and each column's unpacking
-(ANDs, shifts, inserts, permutes, converts); and the integer multiplies a scale could take instead. What one of them costs beside the dots depends on which
-execution pipes the CPU gives it. This times, in a loop of inline assembly with no dependences between
+(ANDs, shifts, inserts, permutes, converts); and the integer multiplies a scale could take instead. What one
+of them costs beside the dots depends on which execution pipes the CPU gives it. This times, in a loop of inline assembly with no dependences between
 iterations, 16 dot instructions alone and then beside 8 and 16 of each other operation, in core cycles
 (the clock measured by a chain of dependent adds, one a cycle): an operation whose 8 add about 8 cycles
 shares the dots' pipes; one whose 8 add none runs beside them.
