@@ -43,6 +43,19 @@ def test_an_error_in_a_teams_loop_reaches_the_caller(two_threads, fail_at):
     assert len(fused._native._team_parts(50, 1, 2, True)) == 4  # the threads are free again
 
 
+@pytest.mark.parametrize("team", [True, False])
+def test_shared_items_are_each_taken_once_and_a_thread_done_early_takes_from_another(two_threads, team):
+    # team::share (a product's chunks of columns): each thread starts on its own run, parallel_for's part; the
+    # calling thread's run is made slow, so that the others, done with theirs, take its last items.
+    n = 12 * torch.get_num_threads()
+    mine = n // torch.get_num_threads()
+    done = fused._native._team_shared(n, mine, 5000, team)
+    assert [item for item, _ in done] == list(range(n))
+    taken = [item for item, by_caller in done if item < mine and not by_caller]
+    assert mine - 1 in taken and 0 not in taken  # from the back of the run, never its first (the caller's)
+    assert not any(by_caller for item, by_caller in done if item >= mine)  # the caller busy with its own
+
+
 @pytest.mark.parametrize("hidden", [576, 100])  # the squares' 8 lanes whole, and with 4 values over
 @pytest.mark.parametrize("bf16_out", [False, True])
 def test_rms_norm(bf16_out, hidden):

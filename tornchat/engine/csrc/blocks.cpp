@@ -38,7 +38,7 @@
 //
 // Built without -march: each x86 path is this file's second half compiled again under its own
 // `#pragma GCC target` (the file includes itself) and chosen at run time by __builtin_cpu_supports. The
-// generic path is plain C++ and the only one elsewhere. Threads split the output columns (team::parallel_for),
+// generic path is plain C++ and the only one elsewhere. Threads share the output columns in chunks (team::share),
 // never K. Each kernel computes a tile of R rows by 4 columns: every weight block is unpacked and transposed
 // once for the R rows (R up to 8, AVX-512 16), each (row, column) its own chain. AVX-512 holds two columns
 // per 512-bit register, each half doing the 256-bit operations. Two AVX-512 kernels skip that transpose
@@ -718,20 +718,18 @@ at::Tensor block_mm(const at::Tensor& x, const BlockMatrix& w, at::Tensor out) {
     for (int64_t c = 0; c < part.rows; c += CHUNK) chunks.emplace_back(jobs.size() - 1, c);
     offset += part.rows;
   }
-  team::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      const Job& jb = jobs[chunks[i].first];
-      const int64_t c0 = chunks[i].second;
-      const int64_t c1 = std::min(c0 + CHUNK, w.parts[chunks[i].first].rows);
-      switch (isa) {
+  team::share(static_cast<int64_t>(chunks.size()), [&](int64_t i) {
+    const Job& jb = jobs[chunks[i].first];
+    const int64_t c0 = chunks[i].second;
+    const int64_t c1 = std::min(c0 + CHUNK, w.parts[chunks[i].first].rows);
+    switch (isa) {
 #ifdef TORNCHAT_X86
-        case Isa::amx:
-        case Isa::avx512vnni: avx512vnni_path::run(jb, c0, c1); break;
-        case Isa::avxvnni: avxvnni_path::run(jb, c0, c1); break;
-        case Isa::avx2: avx2_path::run(jb, c0, c1); break;
+      case Isa::amx:
+      case Isa::avx512vnni: avx512vnni_path::run(jb, c0, c1); break;
+      case Isa::avxvnni: avxvnni_path::run(jb, c0, c1); break;
+      case Isa::avx2: avx2_path::run(jb, c0, c1); break;
 #endif
-        default: generic_run(jb, c0, c1);
-      }
+      default: generic_run(jb, c0, c1);
     }
   });
   return out;

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1248,6 +1249,26 @@ std::vector<std::array<int64_t, 3>> team_parts(int64_t n, int64_t grain, int64_t
   return parts;
 }
 
+// team::share as tests/test_fused_ops.py sees it: each item of 0 .. n - 1 and whether the calling thread took it,
+// where the first `slow` items each take sleep_us, inside one with_team (team) or not.
+std::vector<std::array<int64_t, 2>> team_shared(int64_t n, int64_t slow, int64_t sleep_us, bool team) {
+  std::mutex lock;
+  std::vector<std::array<int64_t, 2>> done;
+  const auto caller = std::this_thread::get_id();
+  const auto all = [&] {
+    tornchat::team::share(n, [&](int64_t item) {
+      if (item < slow) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+      const std::lock_guard<std::mutex> held(lock);
+      done.push_back({item, std::this_thread::get_id() == caller});
+    });
+    return 0;
+  };
+  if (team) tornchat::team::with_team(all);
+  else all();
+  std::sort(done.begin(), done.end());
+  return done;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_fused, m) {
@@ -1263,6 +1284,9 @@ PYBIND11_MODULE(_fused, m) {
         pybind11::arg("scale"), pybind11::arg("window") = 0, pybind11::arg("isa") = "");
   m.def("_team_parts", &team_parts, "team.h's parts of a loop, for the tests", pybind11::arg("n"), pybind11::arg("grain"),
         pybind11::arg("loops"), pybind11::arg("team"), pybind11::arg("fail_at") = -1,
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("_team_shared", &team_shared, "team.h's share of n items, for the tests", pybind11::arg("n"),
+        pybind11::arg("slow"), pybind11::arg("sleep_us"), pybind11::arg("team"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   tornchat::define_blocks(m);
   pybind11::class_<Forward>(m, "Forward")
