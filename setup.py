@@ -24,8 +24,9 @@ def extensions() -> dict:
     # a header template that runs its loop on one thread unless the including code is built with OpenMP
     # (the library it then links is torch's own libgomp, loaded once under its soname).
     options = {"extra_compile_args": ["-O3", "-fopenmp"], "extra_link_args": ["-fopenmp"], "optional": True}
+    blocks = [f"tornchat/engine/csrc/blocks/{name}" for name in ("dispatch.cpp", "generic.cpp", "layouts.cpp", "x86.cpp")]
     modules = [
-        CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp", "tornchat/engine/csrc/blocks.cpp"], **options),
+        CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp", *blocks], **options),
         CppExtension("tornchat.engine._ggml", ["tornchat/engine/csrc/ggml.cpp"], **options),
     ]
     return {"ext_modules": modules, "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}

@@ -1,4 +1,4 @@
-"""Microbenchmark of the GGUF block kernels (tornchat/engine/blocks.py, csrc/blocks.cpp).
+"""Microbenchmark of the GGUF block kernels (tornchat/engine/blocks.py, csrc/blocks/).
 
 For the 1B Llama's matrices (K = 2048: qkv 3072, o 2048, gate+up 16384, down 2048 x 8192, head 49152) in
 Q4_K and Q6_K, Qwen3 4B's largest (qkv 6144, gate+up 19456 of K = 2560, down 2560 x 9728, head 151936), and

@@ -2,7 +2,7 @@
 
 Rows: the file dequantized to fp32 and run by PyTorch (the reference;
 --no-reference skips it for large models); the file's blocks through the
-C++ forward on each instruction-set path this CPU has (csrc/blocks.cpp:
+C++ forward on each instruction-set path this CPU has (csrc/blocks/:
 AVX-512 VNNI, AVX-VNNI, AVX2, generic); the same blocks from the Python
 layer loop (the C++ forward's lever); with --formats, each --quantize
 format packed from the fp32 values; and llama.cpp on the same file in

@@ -1,6 +1,6 @@
 """Which vector operations share the pipes of the kernels' integer dot products, on this CPU.
 
-The block kernels' tiles (csrc/blocks.cpp) are bound by their arithmetic once several rows share a read of
+The block kernels' tiles (csrc/blocks/) are bound by their arithmetic once several rows share a read of
 the weights: each row's integer dots (VPDPBUSD on the AVX-512 VNNI path, VPMADDUBSW + VPMADDWD on AVX2),
 its fp32 scaling (a multiply and two fused multiply-adds a group and column pair) and each column's unpacking
 (ANDs, shifts, inserts, permutes, converts); and the integer multiplies a scale could take instead. What one

@@ -1,4 +1,4 @@
-"""The GGUF block kernels (tornchat/engine/blocks.py over csrc/blocks.cpp): every type on every path this CPU
+"""The GGUF block kernels (tornchat/engine/blocks.py over csrc/blocks/): every type on every path this CPU
 runs against the float64 reference, bit-identical rows whatever the batch, thread count or split into parts,
 the int16 saturation worst cases of the AVX2 path, TORNCHAT_ISA, and the error against fp32 matmul."""
 import os
@@ -88,7 +88,7 @@ def test_paths_agree(type_name):
 
 
 def emulate_fp32(x: torch.Tensor, raw: torch.Tensor, type_name: str) -> torch.Tensor:
-    """The kernels' fixed fp32 order (csrc/blocks.cpp's semantics) in numpy, for Q8_0, Q4_1 and Q4_K: block
+    """The kernels' fixed fp32 order (csrc/blocks.h's semantics) in numpy, for Q8_0, Q4_1 and Q4_K: block
     8g + j into lane j, lane = fma(float(dot), a * d, lane), then fma(m, d * s, lane); the lanes summed as
     ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Each fma is a float64 multiply-add (the product of two
     fp32 is exact there) rounded to fp32."""
@@ -158,7 +158,7 @@ def test_one_row_is_its_row_of_many(type_name):
 @pytest.mark.parametrize("type_name", SIMPLE)
 def test_every_short_group(type_name):
     """Rows whose last group of 8 blocks holds 1 to 7 (the tiles dot them plainly and sum them into their
-    lanes: csrc/blocks.cpp block_lanes) give every path the generic path's bits, alone and among 3 rows."""
+    lanes: csrc/blocks/x86_steps.inc block_lanes) give every path the generic path's bits, alone and among 3 rows."""
     for tail in range(1, 8):
         k = 32 * (8 + tail)
         part = make_part(type_name, 9, k, seed=40 + tail)
@@ -217,7 +217,7 @@ def test_grouped_rows_give_the_files_bits(type_name):
     """A grouped part's products are the file's, bit for bit, on every path (each in its own kernels: the AVX-512
     tiles and panels read grouped rows too) and at any number of rows (the tiles, and the panels of every path
     from their PANEL_ROWS), in a call with parts of other types too, with and without a short last group (of 1
-    and 2 blocks: csrc/blocks.cpp short_tail, a tile's 4 columns in one transposed group; of 5 and 7: pair_lanes'
+    and 2 blocks: csrc/blocks/x86_tiles.inc short_tail, a tile's 4 columns in one transposed group; of 5 and 7: pair_lanes'
     halves, a lone block at the end)."""
     for k in (256, 512, 768) if type_name in K_QUANTS else (256, 288, 576, 416, 480):
         part = make_part(type_name, 37, k, seed=k + 1)

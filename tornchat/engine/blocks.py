@@ -1,4 +1,4 @@
-"""Matrix products on GGUF blocks as the file stores them (csrc/blocks.cpp), with their references.
+"""Matrix products on GGUF blocks as the file stores them (csrc/blocks.h, csrc/blocks/), with their references.
 
 ``mm(x, parts, types)`` multiplies activations x [rows, K] by a weight matrix given as parts stacked by rows,
 each part uint8 [N_i, row_bytes] in a GGML type, exactly as a GGUF file stores the tensor: fp32 [rows, sum N_i].
@@ -48,7 +48,7 @@ QK = 32  # features per activation block
 
 @functools.cache
 def _native():
-    """The compiled module (csrc/fused.cpp with csrc/blocks.cpp) where built, else None."""
+    """The compiled module (csrc/fused.cpp with csrc/blocks/) where built, else None."""
     try:
         return importlib.import_module("tornchat.engine._fused")
     except ImportError:
@@ -148,7 +148,7 @@ def reference_mm(x: torch.Tensor, parts, types) -> torch.Tensor:
     fixed order per output whatever the batch: 8 fp32 lanes, block 8g + j into lane j with a fused
     multiply-add of the dot times (weight scale * d), then for types with minimums one of the minimum times
     (d * s); the lanes summed as ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Float types: feature k
-    into lane k % 8. See csrc/blocks.cpp."""
+    into lane k % 8. See csrc/blocks.h."""
     return _reference_products(x, parts, types, absolute=False)
 
 

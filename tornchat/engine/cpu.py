@@ -2,7 +2,7 @@
 
 The machines tornchat runs on differ (AVX2 only, AVX-512, AVX-512 BF16,
 AMX, ARM); the kernels pick their instruction-set path by CPUID themselves
-(csrc/blocks.cpp), so this only names the CPU and its notable flags.
+(csrc/blocks/dispatch.cpp), so this only names the CPU and its notable flags.
 """
 import functools
 import platform

@@ -3,7 +3,7 @@
 Layouts as llama.cpp's ggml-common.h defines them (read there, written
 here). A quantized tensor of N rows and K columns is N * K / block_size
 blocks, row after row; ``raw`` is its bytes as a uint8 tensor [N, row_bytes].
-The matrix kernels compute on these bytes as they are (csrc/blocks.cpp);
+The matrix kernels compute on these bytes as they are (csrc/blocks/);
 decoded values are for the rows of an embedding a prompt looks up, the
 kernels' reference, and float copies where one is asked for.
 

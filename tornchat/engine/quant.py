@@ -2,7 +2,7 @@
 
 On the CPU every matrix is a ``BlockWeight``: GGML blocks, as a GGUF file
 stores them (memory-mapped, used in place) or as a float checkpoint is
-quantized into at load (``to_blocks``). csrc/blocks.cpp multiplies them on
+quantized into at load (``to_blocks``). csrc/blocks/ multiplies them on
 activations quantized per block of 32 to int8, with exact integer dot
 products per block and fp32 sums in a fixed order, so a row gets the same
 bits whatever other rows share the call: a decode step, a speculative
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tornchat.engine import blocks
 from tornchat.engine import ggml
 
-# What --quantize packs float weights into on the CPU: GGML types blocks.cpp multiplies. The output
+# What --quantize packs float weights into on the CPU: GGML types csrc/blocks/ multiplies. The output
 # projection stays at 8 bits under int4, as llama.cpp's 4-bit files keep it at 6 or 8: it is where 4 bits
 # cost the most perplexity (docs/performance.md, "Figures behind the code's choices").
 BLOCK_TYPES = {"none": "F32", "bf16": "BF16", "int8": "Q8_0", "int4": "Q4_1"}
@@ -37,7 +37,7 @@ class BlockWeight:
     types: tuple[str, ...]
 
     def mm(self, x: torch.Tensor, isa: str = "") -> torch.Tensor:
-        """x [rows, K] @ W.T in fp32 by csrc/blocks.cpp, on instruction-set path ``isa`` (default: the best)."""
+        """x [rows, K] @ W.T in fp32 by csrc/blocks/, on instruction-set path ``isa`` (default: the best)."""
         return blocks.mm(x, list(self.parts), [blocks.TYPE_IDS[t] for t in self.types], isa)
 
     @property

@@ -1,7 +1,7 @@
 """A Llama-family GGUF file straight into ``LlamaWeights``, its tensors used in place.
 
 Every matrix is a ``quant.BlockWeight`` over views of the file's memory
-map: the kernels (csrc/blocks.cpp) compute on the blocks as the file
+map: the kernels (csrc/blocks/) compute on the blocks as the file
 stores them, whatever their types (Q4_K_M mixes Q4_K and Q6_K, even inside
 one fused query-key-value matrix), so nothing is converted at start and the
 model is in memory once, as the file's pages. A mixture of experts' 3-D

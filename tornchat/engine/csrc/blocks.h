@@ -1,4 +1,4 @@
-// Matrix products on GGUF blocks as the file stores them (blocks.cpp), for fused.cpp's DecodeStep and Python.
+// Matrix products on GGUF blocks as the file stores them (blocks/), for fused.cpp's DecodeStep and Python.
 //
 // A weight matrix [N, K] is one or more parts stacked by rows, each part uint8 [N_i, row_bytes] in a GGML
 // type (the type ids below are GGML's own). Activations are quantized per block of 32 input features to int8
@@ -6,6 +6,34 @@
 // over blocks run in a fixed order per output, so a row's result has the same bits whatever the number of
 // rows in the call and wherever the row sits in it (batch invariance). The float types are multiplied in
 // fp32, each output's sum over K in a fixed order too.
+//
+// Semantics (tornchat/engine/blocks.py reference_mm computes the same in float64):
+//   The weight matrix is the parts stacked by rows; part i is uint8 [N_i, row_bytes], each row K / block_size
+//   consecutive GGML blocks exactly as a GGUF file stores them (ggml-common.h layouts; what the bytes mean is
+//   tornchat/engine/ggml.py dequantize). Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16.
+//   All parts share K, a multiple of 32 (of 256 for the K-quants).
+//
+//   Activations x [rows, K] fp32 (bf16 is converted), per row and block b of 32 features:
+//     d[b] = max |x| / 127 (fp32), q[k] = round-half-even(x[k] * (127 / max |x|)) clamped to [-127, 127]
+//     (0 where max |x| is 0), s[b] = sum of q over the block (an exact integer). Each row is quantized once.
+//   Quantized types: a weight value is w = a[b] * (level - offset) + m[b] with, per 32-block (K-quants: per
+//   sub-block) of a weight row,
+//     Q4_0: a = d, offset 8, m = 0        Q4_1: a = d, m = min        Q5_0: a = d, offset 16
+//     Q5_1: a = d, m = min                Q8_0: a = d, signed levels  Q4_K/Q5_K: a = d * sc[j], m = -dmin * mn[j]
+//     Q6_K: two sub-blocks of 16 per 32-block, a = d * sc[j] (int8 sc), offset 32.
+//   Output (r, n): 8 fp32 lanes, zero at first; block b = 8g + j (groups g of 8 blocks, the last one possibly
+//   short) goes to lane j, in order of g:
+//       lane j = fma(float(dot[b]), a[b] * d[b], lane j)       (Q6_K: twice, the first 16 features' dot with
+//                                                               their sub-block's a, then the second 16's)
+//       lane j = fma(m[b], d[b] * s[b], lane j)                 (the types with minimums)
+//   where dot[b] is the exact int32 sum over the block's features of (level - offset) * q and each product
+//   a * d, d * s is rounded to fp32; at the end out = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
+//   Every path (amx, avx512vnni, avxvnni, avx2, generic) does exactly these operations, so all paths give the
+//   same bits (the integer dots are exact whatever instructions compute them), and so does every row
+//   whatever the other rows of the call, their number, the thread count or the split of the matrix into
+//   parts (batch invariance).
+//   Float types: w in fp32 (exact from F16/BF16), the products summed with fused multiply-adds into 8 lanes,
+//   feature k into lane k % 8 in order of k, then the same 8-lane sum; x is not quantized.
 #pragma once
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
@@ -43,7 +71,7 @@ struct BlockMatrix {
   std::vector<BlockPart> parts;
   int64_t k = 0, n = 0;  // K, and the parts' rows in all
   bool any_quant = false;  // any part not F32, F16 or BF16
-  int isa = 0;  // blocks.cpp's path
+  int isa = 0;  // the path (blocks/dispatch.cpp's Isa)
 };
 
 // parts: uint8 [N_i, row_bytes] of the GGML types (or grouped ids) given, the same K; isa: one of block_isas()
