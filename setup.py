@@ -26,7 +26,7 @@ def extensions() -> dict:
     options = {"extra_compile_args": ["-O3", "-fopenmp"], "extra_link_args": ["-fopenmp"], "optional": True}
     blocks = [f"tornchat/engine/csrc/blocks/{name}" for name in ("dispatch.cpp", "generic.cpp", "layouts.cpp", "x86.cpp")]
     modules = [
-        CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp", *blocks], **options),
+        CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp", "tornchat/engine/csrc/attention.cpp", *blocks], **options),
         CppExtension("tornchat.engine._ggml", ["tornchat/engine/csrc/ggml.cpp"], **options),
     ]
     return {"ext_modules": modules, "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}

@@ -5,7 +5,7 @@ counts them on any model and instruction-set path): each prompt is sent cold, ag
 slot, only the last token prefilled), streamed, with its own reply as the `prediction` (drafts verified in
 one forward), after a longer conversation that shares its prefix (the slot cut back to it), four times at
 once (decoded together), and seeded at temperature 0.8 three times. Every row of the model is computed by
-kernels that give it the same bits however it arrives (csrc/blocks/, fused.cpp's attend), so these texts
+kernels that give it the same bits however it arrives (csrc/blocks/, csrc/attention.cpp), so these texts
 are equal by construction; a difference is a bug, on any CPU.
 """
 import json

@@ -2,7 +2,7 @@
 
 A small model's decode step spent as long in ~40 tiny eager ops per layer
 as in its matmuls (a third of a step on an AVX-512 machine). ``csrc/fused.cpp``
-does each group below in one call; ``pip install`` builds it (setup.py),
+(attention: ``csrc/attention.cpp``) does each group below in one call; ``pip install`` builds it (setup.py),
 and where that was not possible (no compiler, another platform) the
 references here run instead. The references define the semantics, and
 the tests hold the C++ to them.
@@ -140,7 +140,7 @@ def forward_layout(kv: torch.Tensor) -> torch.Tensor:
     dimension of 16 keys ([kv_heads, head_dim, 16] a block); in bf16, dimensions 2t and 2t + 1 interleaved
     ([kv_heads, head_dim / 2, 16, 2]). Values in the same blocks, each head's 16 positions together
     ([kv_heads, 16, head_dim]; in bf16 positions 2s and 2s + 1 interleaved, [kv_heads, 8, head_dim, 2]), so
-    that one load, a shift and a mask widen two vectors (csrc/fused.cpp's key_at and value_at)."""
+    that one load, a shift and a mask widen two vectors (csrc/kv_layout.h's key_at and value_at)."""
     *lead, _, capacity, kv_heads, head_dim = kv.shape
     keys, values = kv.unbind(-4)
     blocks, n = capacity // KEY_BLOCK, len(lead)

@@ -1,4 +1,4 @@
-// Matrix products on GGUF blocks as the file stores them (blocks/), for fused.cpp's DecodeStep and Python.
+// Matrix products on GGUF blocks as the file stores them (blocks/), for fused.cpp's Forward and Python.
 //
 // A weight matrix [N, K] is one or more parts stacked by rows, each part uint8 [N_i, row_bytes] in a GGML
 // type (the type ids below are GGML's own). Activations are quantized per block of 32 input features to int8

@@ -1,8 +1,8 @@
-// What fused.cpp's vector loops use: 16-lane vectors in GCC's vector extensions, their loads, a sum, an exp and
+// What fused.cpp's and attention.cpp's vector loops use: 16-lane vectors in GCC's vector extensions, their loads, a sum, an exp and
 // a sigmoid over them, and the instruction sets they are compiled for.
 //
 // Built without -march (the wheel must run on any x86-64), a loop is compiled once per path below and chosen at
-// run time (fused.cpp's attend_path). The vectors spell out 16 lanes, so the lanes and every reduction's order
+// run time (attention.cpp's attend_path). The vectors spell out 16 lanes, so the lanes and every reduction's order
 // are the same on each path; both vector paths contract a * b + c into one fused multiply-add (AVX2 with FMA,
 // AVX-512), so they give the same bits. Only the baseline (x86-64 without AVX2, or another architecture's
 // default target) may round differently.
@@ -179,6 +179,16 @@ inline __attribute__((always_inline)) F sigmoid(F s) {
 
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+}
+
+// A result's tensor: out (Forward::forward's, where the layer before wrote the same result, dead by then) resized
+// to sizes if it is not of them, or a new one where out is undefined. A new tensor costs about 0.3 us, and a
+// layer makes a dozen.
+at::Tensor result_tensor(at::Tensor out, at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (!out.defined()) return at::empty(sizes, options);
+  TORCH_CHECK(out.scalar_type() == options.dtype() && out.is_contiguous(), "out must be contiguous, of the result's dtype");
+  if (out.sizes() != sizes) out.resize_(sizes);
+  return out;
 }
 
 }  // namespace
