@@ -1,5 +1,6 @@
-// What fused.cpp's and attention.cpp's vector loops use: 16-lane vectors in GCC's vector extensions, their loads, a sum, an exp and
-// a sigmoid over them, and the instruction sets they are compiled for.
+// What fused.cpp's and attention.cpp's vector loops use: 16-lane vectors in GCC's vector extensions, their
+// loads, a sum, an exp and a sigmoid over them, and the instruction sets they are compiled for; and the checks and
+// result tensors both files' operations share.
 //
 // Built without -march (the wheel must run on any x86-64), a loop is compiled once per path below and chosen at
 // run time (attention.cpp's attend_path). The vectors spell out 16 lanes, so the lanes and every reduction's order
