@@ -6,7 +6,8 @@
 // run time (attention.cpp's attend_path). The vectors spell out 16 lanes, so the lanes and every reduction's order
 // are the same on each path; both vector paths contract a * b + c into one fused multiply-add (AVX2 with FMA,
 // AVX-512), so they give the same bits. Only the baseline (x86-64 without AVX2, or another architecture's
-// default target) may round differently.
+// default target) may round differently: it fuses nothing (x86-64's baseline has no fused multiply-add, and
+// setup.py builds other architectures with -ffp-contract=off), each product rounded on its own.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>

@@ -67,9 +67,6 @@ Isa chosen_isa() {
   return cpu_isas().front();
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-__attribute__((optimize("fp-contract=off")))
-#endif
 void quantize_rows(const float* x, int64_t rows, int64_t k, Acts& a, Isa isa) {
   a.rows = rows, a.k = k, a.nb = k / QK, a.nbp = (a.nb + 7) / 8 * 8;
   a.q.resize(rows * k);
@@ -100,10 +97,12 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, Acts& a, Isa isa) {
         int8_t* q = a.q.data() + r * k + b * QK;
         int32_t sums[2] = {0, 0};
         for (int i = 0; i < QK; ++i) {
-          // round to nearest, ties to even (as nearbyint in the default rounding mode, without its call):
-          // exact for |v| < 2^22, and |x * inverse| <= 127 (NaN stays NaN and is clamped as before)
-          const float scaled = xb[i] * inverse;  // rounded to fp32 (no contraction: see the attribute)
-          float v = (scaled + 12582912.0f) - 12582912.0f;
+          // The product rounded to fp32, then to the nearest integer, ties to even (the default rounding mode;
+          // NaN is clamped to -127). No addition follows the product: rounding it by adding and subtracting
+          // 1.5 * 2^23 let GCC fuse the product into the addition (one rounding, not two) where the target has a
+          // fused multiply-add in its baseline, as aarch64 does, in the copies of this loop inlined into the
+          // threads' loops and not in the one a single row calls: a row's bits then depended on the row count.
+          float v = std::nearbyint(xb[i] * inverse);
           v = std::min(127.0f, std::max(-127.0f, v));
           q[i] = static_cast<int8_t>(v);
           sums[i / 16] += q[i];

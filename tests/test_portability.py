@@ -1,0 +1,71 @@
+"""The C++ kernels build for 64-bit ARM too (aarch64: Graviton, Ampere, Apple silicon under Linux).
+
+There only the portable code exists: csrc/blocks/generic.cpp and vec.h's baseline loops; the x86 paths sit
+behind their guards. A stray intrinsic or x86-only header outside them would break an ARM user's build, and
+since the build is optional, pip would install tornchat without it, on the slow PyTorch references, saying
+nothing. Each source is compiled here for aarch64 by a cross-compiler (syntax and every instantiated template;
+nothing here runs ARM code, and no timing of ARM exists: see docs/models.md).
+
+aarch64 also has a fused multiply-add in its baseline, which GCC's default fuses a product and a following sum
+into wherever it sees the pair, and not alike in a loop's inlined copies (one row's call, many rows' threads):
+setup.py turns that off there (BASELINE_FMA_FLAGS), and the activations' quantization, compiled to assembly
+here, is checked to fuse nothing (it did, in the threads' copies, before either)."""
+import ast
+import re
+import shutil
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+CROSS = "aarch64-linux-gnu-g++"
+ROOT = Path(__file__).resolve().parent.parent
+CSRC = ROOT / "tornchat" / "engine" / "csrc"
+
+
+def setup_constant(name: str):
+    """A constant assigned at setup.py's top level (the build's flags), read without running setup()."""
+    for node in ast.parse((ROOT / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(target, "id", None) == name for target in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"setup.py assigns no {name}")
+
+
+def test_setup_builds_every_source():
+    # A source setup.py leaves out links nowhere: the extension fails to import and tornchat falls back, silently.
+    listed = (ROOT / "setup.py").read_text()
+    missing = [str(s.relative_to(ROOT)) for s in CSRC.rglob("*.cpp") if s.name not in listed]
+    assert not missing, f"setup.py does not build {missing}"
+
+
+# Compiled to assembly rather than only checked: the activations' quantization (quantize_rows), whose rounding
+# to int8 every row's product starts from.
+ASSEMBLED = "blocks/dispatch.cpp"
+FUSED = re.compile(r"^\s*(fmadd|fmsub|fnmadd|fnmsub|fmla|fmls)\b", re.MULTILINE)
+
+
+def test_every_source_compiles_for_aarch64():
+    compiler = shutil.which(CROSS)
+    if compiler is None:
+        pytest.skip(f"no {CROSS} here (apt-get install g++-aarch64-linux-gnu; .ci/run installs it)")
+    from torch.utils.cpp_extension import include_paths
+
+    # setup.py's flags on aarch64; the headers are this torch's and this Python's, which declare the same there.
+    assert "aarch64" not in setup_constant("NO_BASELINE_FMA")
+    flags = ["-std=c++20", "-O3", "-fopenmp", *setup_constant("BASELINE_FMA_FLAGS"), "-w",
+             *(f"-I{path}" for path in include_paths()), f"-I{sysconfig.get_paths()['include']}"]
+    sources = sorted(CSRC.rglob("*.cpp"))
+    assert len(sources) >= 7 and CSRC / ASSEMBLED in sources, sources
+
+    def compile_one(source: Path) -> subprocess.CompletedProcess:
+        output = ["-S", "-o", "-"] if source == CSRC / ASSEMBLED else ["-fsyntax-only"]
+        return subprocess.run([compiler, *flags, *output, str(source)], capture_output=True, text=True, timeout=600)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(sources, pool.map(compile_one, sources)))
+    failed = {str(s.relative_to(CSRC)): r.stderr[-3000:] for s, r in results.items() if r.returncode}
+    assert not failed, failed
+    fused = FUSED.findall(results[CSRC / ASSEMBLED].stdout)
+    assert not fused, f"{ASSEMBLED} on aarch64 fuses products into sums ({len(fused)} instructions)"
