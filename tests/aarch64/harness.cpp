@@ -1,0 +1,82 @@
+// A row's bits on aarch64, alone and among other rows: block_mm on every GGML type the kernels read, and attention
+// over bf16 and fp32 caches, with and without a sliding window, on the machine's threads. Built and run under
+// qemu-user by run.sh (no ARM machine is at hand); prints one line per check and exits 1 if any row differs.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "attention.h"
+#include "blocks.h"
+
+namespace {
+
+// Random blocks of a type with sane fp16 scales: (type, bytes a block, values a block, offsets of its fp16 fields).
+struct Layout {
+  const char* name;
+  int64_t type, bytes, values;
+  std::vector<int> halves;
+};
+
+at::Tensor random_blocks(const Layout& t, int64_t n, int64_t k) {
+  at::Tensor w = at::randint(0, 256, {n, k / t.values * t.bytes}, at::kByte);
+  uint8_t* p = w.data_ptr<uint8_t>();
+  for (int64_t b = 0; b < n * (k / t.values); ++b)
+    for (int at : t.halves) p[b * t.bytes + at] = 0x00, p[b * t.bytes + at + 1] = 0x20;  // 2^-7
+  return w;
+}
+
+int rows_apart(const at::Tensor& together, const std::function<at::Tensor(int64_t)>& alone) {
+  int differ = 0;
+  for (int64_t r = 0; r < together.size(0); ++r) {
+    const at::Tensor one = alone(r).contiguous(), row = together[r].contiguous();
+    if (std::memcmp(one.data_ptr<float>(), row.data_ptr<float>(), row.numel() * 4) != 0) ++differ;
+  }
+  return differ;
+}
+
+}  // namespace
+
+int main() {
+  at::set_num_threads(2);
+  at::manual_seed(0);
+  int failures = 0;
+  const int64_t n = 48, k = 1024, rows = 300;
+  const std::vector<Layout> layouts = {
+      {"Q4_0", tornchat::Q4_0, 18, 32, {0}},        {"Q4_1", tornchat::Q4_1, 20, 32, {0, 2}},
+      {"Q5_0", tornchat::Q5_0, 22, 32, {0}},        {"Q5_1", tornchat::Q5_1, 24, 32, {0, 2}},
+      {"Q8_0", tornchat::Q8_0, 34, 32, {0}},        {"Q4_K", tornchat::Q4_K, 144, 256, {0, 2}},
+      {"Q5_K", tornchat::Q5_K, 176, 256, {0, 2}},   {"Q6_K", tornchat::Q6_K, 210, 256, {208}},
+  };
+  const at::Tensor x = at::randn({rows, k}) * 3;
+  for (const Layout& t : layouts) {
+    const std::vector<at::Tensor> parts{random_blocks(t, n, k)};
+    const std::vector<int64_t> types{t.type};
+    const at::Tensor together = tornchat::block_mm(x, parts, types, "");
+    const int differ = rows_apart(together, [&](int64_t r) {
+      return tornchat::block_mm(x.slice(0, r, r + 1).contiguous(), parts, types, "")[0];
+    });
+    std::printf("block_mm %s: %d of %lld rows differ alone from among %lld\n", t.name, differ, (long long)rows,
+                (long long)rows);
+    failures += differ;
+  }
+  const int64_t heads = 8, kv_heads = 2, d = 64, capacity = 1216, start = 1100, count = 100;
+  for (const auto dtype : {at::kBFloat16, at::kFloat})
+    for (const int64_t window : {int64_t{0}, int64_t{500}}) {
+      const at::Tensor keys = at::randn({capacity, kv_heads, d}).to(dtype);
+      const at::Tensor values = at::randn({capacity, kv_heads, d}).to(dtype);
+      const at::Tensor q = at::randn({count, heads, d});
+      const at::Tensor together = tornchat::attend(q, keys, values, start, 0.125, window, "");
+      const int differ = rows_apart(together, [&](int64_t r) {
+        return tornchat::attend(q.slice(0, r, r + 1).contiguous(), keys, values, start + r, 0.125, window, "")[0];
+      });
+      std::printf("attend %s cache, window %lld: %d of %lld rows differ alone from among %lld\n",
+                  dtype == at::kFloat ? "fp32" : "bf16", (long long)window, differ, (long long)count,
+                  (long long)count);
+      failures += differ;
+    }
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The kernels' generic path on aarch64, run: harness.cpp (beside this file) built with setup.py's aarch64 flags
+# against PyPI's aarch64 torch and run under qemu-user, since no ARM machine is at hand. Not part of the test
+# suite: it downloads torch's aarch64 wheel (about 430 MB, its CUDA build: the CUDA runtime it links is stubbed,
+# never called). Needs Debian's g++-aarch64-linux-gnu and qemu-user (apt-get install ...), and python3 with pip.
+#
+#   bash tests/aarch64/run.sh [work folder, default ~/.cache/tornchat-aarch64]
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+repo="$(cd "$here/../.." && pwd)"
+work="${1:-$HOME/.cache/tornchat-aarch64}"
+mkdir -p "$work"
+cd "$work"
+for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
+  command -v "$tool" >/dev/null || { echo "no $tool: apt-get install g++-aarch64-linux-gnu qemu-user" >&2; exit 2; }
+done
+
+# torch for aarch64: its headers and libraries
+if [ ! -d torch/lib ]; then
+  python3 -m pip download torch==2.13.0 --platform manylinux_2_28_aarch64 --only-binary=:all: \
+    --python-version 311 --implementation cp --no-deps -d wheels
+  python3 -m zipfile -e wheels/torch-2.13.0-*aarch64.whl unpacked
+  mv unpacked/torch torch && rm -rf unpacked
+fi
+lib="$work/torch/lib"
+py_include="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+includes=(-I"$work/torch/include" -I"$work/torch/include/torch/csrc/api/include" -I"$py_include")
+flags=(-std=c++20 -O3 -fopenmp -fPIC -w $(python3 -c "
+import ast
+for node in ast.parse(open('$repo/setup.py').read()).body:
+    if isinstance(node, ast.Assign) and any(getattr(t, 'id', None) == 'BASELINE_FMA_FLAGS' for t in node.targets):
+        print(' '.join(ast.literal_eval(node.value)))"))
+
+# The kernels and the harness
+csrc="$repo/tornchat/engine/csrc"
+mkdir -p build stubs
+for source in attention.cpp blocks/dispatch.cpp blocks/generic.cpp blocks/layouts.cpp "$here/harness.cpp"; do
+  [ -f "$source" ] || source="$csrc/$source"
+  echo "aarch64-linux-gnu-g++ ${flags[*]} ${includes[*]} -I$csrc -c $source -o build/$(basename "$source" .cpp).o"
+done | xargs -P "$(nproc)" -I{} sh -c "{}"
+
+# Stubs: the CUDA runtime libtorch_cpu links (never called here), and the Python API the bindings name (never
+# called: the harness calls the kernels directly)
+for soname in libcudart.so.13 libcupti.so.13; do
+  aarch64-linux-gnu-readelf --dyn-syms -W "$lib/libtorch_cpu.so" "$lib/libc10.so" | awk '$7 == "UND" {print $8}' \
+    | sed -n "s/@$soname.*//p" | sort -u | awk '{print "int " $1 "(void) { return 999; }"}' > "stubs/$soname.c"
+  printf '%s { global: *; };\n' "$soname" > "stubs/$soname.map"
+  aarch64-linux-gnu-gcc -shared -fPIC -o "stubs/$soname" "stubs/$soname.c" -Wl,--version-script="stubs/$soname.map" \
+    -Wl,-soname,"$soname"
+done
+aarch64-linux-gnu-nm -u build/*.o | awk '{print $NF}' | grep -E '^_?Py' | sort -u \
+  | awk '/_Type$|^PyExc_|^_Py_.*Struct$/ {print "char " $1 "[512];"; next} {print "void " $1 "(void) {}"}' > stubs/python.c
+cat > stubs/casters.cpp <<'CPP'
+#include <torch/csrc/utils/pybind.h>
+namespace pybind11::detail {
+bool type_caster<at::Tensor, void>::load(handle, bool) { return false; }
+handle type_caster<at::Tensor, void>::cast(const at::Tensor&, return_value_policy, handle) { return handle(); }
+}
+CPP
+aarch64-linux-gnu-gcc -c -fPIC -w stubs/python.c -o stubs/python.o
+aarch64-linux-gnu-g++ -std=c++20 -O1 -fPIC -w "${includes[@]}" -c stubs/casters.cpp -o stubs/casters.o
+aarch64-linux-gnu-g++ -shared -o stubs/libpython_stub.so stubs/python.o stubs/casters.o -L"$lib" -lc10
+aarch64-linux-gnu-g++ -fopenmp -o build/harness build/*.o -L"$lib" -L"$work/stubs" -ltorch_cpu -lc10 -lpython_stub \
+  -Wl,--allow-shlib-undefined
+
+# A machine for qemu to show the program: 2 CPUs (Arm Neoverse N1) in /proc and /sys, which torch's CPU probes
+# read at start (the host's x86 files crash them); qemu-user looks absolute paths up under -L first.
+root="$work/root"
+mkdir -p "$root/proc" "$root/sys/devices/system/cpu"
+ln -sfn /usr/aarch64-linux-gnu/lib "$root/lib"
+: > "$root/proc/cpuinfo"
+for cpu in 0 1; do
+  printf 'processor\t: %s\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\nCPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x3\nCPU part\t: 0xd0c\nCPU revision\t: 1\n\n' "$cpu" >> "$root/proc/cpuinfo"
+  d="$root/sys/devices/system/cpu/cpu$cpu"
+  mkdir -p "$d/topology" "$d/regs/identification" "$d/cache/index0" "$d/cache/index1" "$d/cache/index2"
+  echo 0x00000000413fd0c1 > "$d/regs/identification/midr_el1"
+  echo "$cpu" > "$d/topology/core_id"; echo 0 > "$d/topology/physical_package_id"
+  echo "$cpu" > "$d/topology/thread_siblings_list"; echo 0-1 > "$d/topology/core_siblings_list"
+  for i in 0 1 2; do echo "$cpu" > "$d/cache/index$i/shared_cpu_list"; done
+done
+for f in possible present online; do echo 0-1 > "$root/sys/devices/system/cpu/$f"; done
+
+qemu-aarch64 -L "$root" -E LD_LIBRARY_PATH="$lib:$work/stubs" build/harness
