@@ -3,7 +3,7 @@
 There only the portable code exists: csrc/blocks/generic.cpp and vec.h's baseline loops; the x86 paths sit
 behind their guards. A stray intrinsic or x86-only header outside them would break an ARM user's build, and
 since the build is optional, pip would install tornchat without it, on the slow PyTorch references, saying
-nothing. Each source is compiled here for aarch64 by a cross-compiler (syntax and every instantiated template).
+nothing. Each source is checked here for aarch64 by a cross-compiler (-fsyntax-only; one is also assembled).
 Nothing here runs ARM code: tests/aarch64/run.sh does, under qemu-user, outside the suite (it downloads torch's
 aarch64 wheel); no timing of ARM exists.
 
