@@ -19,8 +19,12 @@ done
 if [ ! -d torch/lib ]; then
   python3 -m pip download torch==2.13.0 --platform manylinux_2_28_aarch64 --only-binary=:all: \
     --python-version 311 --implementation cp --no-deps -d wheels
-  python3 -m zipfile -e wheels/torch-2.13.0-*aarch64.whl unpacked
-  mv unpacked/torch torch && rm -rf unpacked
+  python3 - <<'PY'  # its headers and the CPU libraries (not the CUDA ones: 0.5 GB more)
+import glob, re, zipfile
+wheel = zipfile.ZipFile(glob.glob("wheels/torch-2.13.0-*aarch64.whl")[0])
+wheel.extractall(".", [name for name in wheel.namelist() if name.startswith(("torch/lib/", "torch/include/"))
+                       and not re.search(r"cuda|nvshmem|nvrtc|torch_python", name)])
+PY
 fi
 lib="$work/torch/lib"
 py_include="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
