@@ -79,8 +79,9 @@ def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start:
     """Causal attention of n decode rows: q [n, heads, head_dim] at positions start .. start + n - 1, over a
     layer's cache, keys and values [capacity, kv_heads, head_dim] (grouped-query: each KV head serves
     heads / kv_heads query heads). Row r attends to positions 0 .. start + r (with ``window``, the last
-    ``window`` of them): softmax(scale * q . k) v, in fp32, q rounded to the cache's dtype first; returns
-    [n, heads * head_dim]. The C++ decode step's attention (``attend``) computes this."""
+    ``window`` of them): softmax(scale * q . k) v, in fp32, q rounded to the cache's dtype first, and with a bf16
+    cache each weight exp(score - max) rounded to the nearest bf16 (ties away from zero) before the sums (the
+    total theirs); returns [n, heads * head_dim]. The C++ decode step's attention (``attend``) computes this."""
     n, heads, head_dim = q.shape
     groups = heads // keys.shape[1]
     rows = []
@@ -90,8 +91,11 @@ def attend_ref(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start:
         k = keys[first:seen].float().transpose(0, 1).repeat_interleave(groups, dim=0)  # [heads, seen, head_dim]
         v = values[first:seen].float().transpose(0, 1).repeat_interleave(groups, dim=0)
         query = q[r].to(keys.dtype).float()
-        weights = torch.softmax(scale * (k @ query[:, :, None])[..., 0], dim=-1)  # [heads, seen]
-        rows.append((weights[:, None, :] @ v)[:, 0].reshape(heads * head_dim))
+        scores = scale * (k @ query[:, :, None])[..., 0]  # [heads, seen]
+        weights = (scores - scores.amax(-1, keepdim=True)).exp()
+        if keys.dtype == torch.bfloat16:  # to the nearest bf16, ties away from zero (the weights are positive)
+            weights = ((weights.view(torch.int32) + 0x8000) & -0x10000).view(torch.float32)
+        rows.append(((weights[:, None, :] @ v)[:, 0] / weights.sum(-1, keepdim=True)).reshape(heads * head_dim))
     return torch.stack(rows)
 
 

@@ -79,6 +79,35 @@ inline __attribute__((always_inline)) void key_pair(const BFloat16* block, int64
   split_pairs(block + 2 * t * KEY_BLOCK + 2 * part * lanes_of<V>, k0, k1);
 }
 
+// Positions j, j + 1 of 16 dims of values as a path adds them (add_pair): two fp32 vectors, or (DOT) the bf16
+// cache's 16 words, each dim's pair of positions.
+template <typename V, bool DOT> struct ValuePair { V v0, v1; };
+template <> struct ValuePair<Vec, true> { IntVec words; };
+
+// chain + w_j+1 v_j+1 + w_j v_j: two fused multiply-adds, position j + 1's first, denormals flushed (the scope's
+// FlushDenormals): what VDPBF16PS does with a pair, which DOT takes for them. weights: the row softmax_row left,
+// fp32 (w[j]), or with DOT the bf16 weights packed (uint16 j: bf16 w_j, so that the pair's 32-bit word is
+// VDPBF16PS's operand).
+typedef short Bf16Pairs __attribute__((vector_size(64)));
+template <bool DOT, typename V>
+inline __attribute__((always_inline)) V add_pair(V chain, const ValuePair<V, DOT>& values, const float* weights,
+                                                  int64_t j) {
+  if constexpr (DOT) {
+#ifdef VEC_X86
+    int32_t pair;
+    std::memcpy(&pair, reinterpret_cast<const uint16_t*>(weights) + j, 4);
+    // The builtin, not _mm512_dpbf16_ps: see score_tile.
+    return __builtin_ia32_dpbf16ps_v16sf(chain, bit_cast<Bf16Pairs>(values.words), bit_cast<Bf16Pairs>(IntVec{} + pair));
+#else
+    static_assert(!DOT, "VDPBF16PS is x86's");
+#endif
+  } else {
+    chain += weights[j + 1] * values.v1;
+    chain += weights[j] * values.v0;
+    return chain;
+  }
+}
+
 // Dims 16c .. 16c + 15 of KV head h's values (in a vector V of fewer lanes: its part, dims 16c + part * lanes ..),
 // two positions at a time from an even j (value_at's forward layout; values points at position 0), walked by
 // pointer: value_at's divisions and products at every pair cost more than the pair's multiply-adds.
@@ -103,10 +132,18 @@ struct ValuePairs {
       split_pairs(at + 2 * k * LANES, v0, v1);
     }
   }
-  inline __attribute__((always_inline)) V read_first() const {  // position j alone (the last of an odd count)
-    V v0, v1;
-    read(v0, v1);
-    return v0;
+  // Chunk k's pair as add_pair takes it (DOT: a bf16 cache's words, as stored); lone: position j alone, the last
+  // of an odd count, position j + 1's values taken as zeros (they may be anything, NaN included).
+  template <bool DOT>
+  inline __attribute__((always_inline)) ValuePair<V, DOT> pair(int64_t k = 0, bool lone = false) const {
+    if constexpr (DOT) {
+      const auto words = load_vec<IntVec>(at + 2 * k * LANES);
+      return {lone ? words & 0xffff : words};
+    } else {
+      V v0, v1;
+      read(v0, v1, k);
+      return {v0, lone ? V{} : v1};
+    }
   }
   inline __attribute__((always_inline)) void prefetch(int64_t k = 0) const {  // chunk k further on, ahead
     __builtin_prefetch(at + ahead + k * (std::is_same_v<Kv, float> ? 1 : 2) * LANES);
@@ -180,7 +217,6 @@ inline __attribute__((always_inline)) void score_tile(const Query* queries, cons
 #ifdef VEC_X86
         // The builtin, not _mm512_dpbf16_ps: a lambda (tile_stage's) is compiled for the default target whatever
         // encloses it, and an intrinsic may not be inlined there; the builtin expands where the lambda is inlined.
-        typedef short Bf16Pairs __attribute__((vector_size(64)));
         const auto k = bit_cast<Bf16Pairs>(load_vec<IntVec>(block + 2 * t * KEY_BLOCK));
         for (int m = 0; m < T; ++m)
           acc[m][0] = __builtin_ia32_dpbf16ps_v16sf(acc[m][0], k, bit_cast<Bf16Pairs>(IntVec{} + int32_t(pairs[m][t])));
@@ -208,9 +244,13 @@ inline __attribute__((always_inline)) void score_tile(const Query* queries, cons
 // Scores of positions begin (a multiple of 16) .. seen - 1 -> weights in place (zero before first and past seen;
 // lanes there are selected away, never computed with: they may hold anything, NaN included); returns 1 / the
 // weights' total. The groups before first's add zeros and change no bit: a row's weights are the same whatever
-// begin its tile has.
-template <typename F>
+// begin its tile has. ROUND (a bf16 cache): each weight rounded to the nearest bf16 before it is summed, ties
+// away from zero (two operations where ties to even took five: AVX2's attention 1.02-1.05x the time with those,
+// 1.00-1.03x with these, AMD Zen 4; a weight is at least exp(-87), a normal number), the values VDPBF16PS takes;
+// PACK: those stored as bf16 (uint16 j: position j's), the row's first half, for add_pair's DOT.
+template <typename F, bool ROUND, bool PACK>
 inline __attribute__((always_inline)) float softmax_row(float* scores, int64_t begin, int64_t first, int64_t seen) {
+  static_assert(ROUND || !PACK, "packed weights are bf16");
   static constexpr int32_t iota[LANES] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const auto lane = load_vec<typename Lanes<F>::Int>(iota);
   const F lowest = F{} - INFINITY;
@@ -235,59 +275,73 @@ inline __attribute__((always_inline)) float softmax_row(float* scores, int64_t b
   for (int64_t j = begin; j < seen; j += LANES) {
     F kept = exp_nonpositive(load_vec<F>(scores + j) - top);
     if (straddles(j)) kept = select(inside(j), kept, F{});
-    store_vec(scores + j, kept);
+    using Uint = typename Lanes<F>::Uint;
+    if constexpr (ROUND) kept = bit_cast<F>((bit_cast<Uint>(kept) + 0x8000u) & 0xffff0000u);
     totals += kept;
+    if constexpr (PACK) {
+      // Group j's 16 bf16 over floats j / 2 .. j / 2 + 7: read already (this group's, or those before it).
+      typedef uint16_t Half16 __attribute__((vector_size(32)));
+      store_vec(reinterpret_cast<uint16_t*>(scores) + j, __builtin_convertvector(bit_cast<Uint>(kept) >> 16, Half16));
+    } else {
+      store_vec(scores + j, kept);
+    }
   }
   return 1.0f / sum(totals);
 }
 
-// Chunks c .. c + C - 1 of 16 dims of T queries' weighted values: the positions all T see, two at a time
-// (the even and odd sums), sharing each value load; then each query's own. A query whose window starts later
-// has zero weights at the positions before it: adding them changes no bit. Each sum is the same whatever C.
-template <typename F, int T, int C, typename Kv>
+// Chunks c .. c + C - 1 of 16 dims of T queries' weighted values: the positions all T see, a pair at a time
+// (add_pair), sharing each value load; then each query's own. Pair j, j + 1 goes to chain j / 2 % 2, two chains in
+// flight for each sum, whatever position a tile starts from. A query whose window starts later has zero weights at
+// the positions before it: adding them changes no bit. Each sum is the same whatever C.
+template <typename F, int T, int C, bool DOT, typename Kv>
 inline __attribute__((always_inline)) void value_chunks(const Query* queries, const Kv* values, int64_t h,
                                                         int64_t kv_heads, int64_t d, const float* scores,
                                                         int64_t width, const float* inverse, int64_t shared,
                                                         int64_t first_min, int64_t c) {
   using V = typename HalfOf<F>::type;
   for (int part = 0; part < HalfOf<F>::parts; ++part) {
-    V even[C][T], odd[C][T];
+    V chains[2][C][T];
     for (int k = 0; k < C; ++k)
-      for (int m = 0; m < T; ++m) even[k][m] = odd[k][m] = V{};
-    for (ValuePairs<V, Kv> pairs(values, h, kv_heads, d, first_min / 2 * 2, c, part); pairs.j < shared; pairs.next()) {
+      for (int m = 0; m < T; ++m) chains[0][k][m] = chains[1][k][m] = V{};
+    const auto shared_pair = [&](ValuePairs<V, Kv>& pairs, int chain) __attribute__((always_inline)) {
       for (int k = 0; k < C; ++k) {
         // Both halves prefetch, probably since a half's pass over a long cache evicts what the other fetched
         // (the second half without: a 1B prefill chunk's attention 1.03-1.12x slower, AMD Zen 3, 2026-11-28).
         pairs.prefetch(k);
-        V v0, v1;
-        pairs.read(v0, v1, k);
-        for (int m = 0; m < T; ++m) {
-          even[k][m] += scores[m * width + pairs.j] * v0;
-          odd[k][m] += scores[m * width + pairs.j + 1] * v1;
-        }
+        const auto pair = pairs.template pair<DOT>(k);
+        for (int m = 0; m < T; ++m)
+          chains[chain][k][m] = add_pair<DOT>(chains[chain][k][m], pair, scores + m * width, pairs.j);
       }
-    }
+      pairs.next();
+    };
+    // From a multiple of 4 (zero weights before each query's first) to shared (another), pair j, j + 1 to chain
+    // j / 2 % 2 without a branch.
+    for (ValuePairs<V, Kv> pairs(values, h, kv_heads, d, first_min / 4 * 4, c, part); pairs.j < shared;)
+      shared_pair(pairs, 0), shared_pair(pairs, 1);
+    // Unrolled, so that no chain is indexed at run time: GCC otherwise kept the chains in memory and stored each
+    // after every pair of the loop above (AVX-512 BF16: attention 1.2x slower than before VDPBF16PS).
+#pragma GCC unroll 2
     for (int k = 0; k < C; ++k)
+#pragma GCC unroll 8
       for (int m = 0; m < T; ++m) {
-        // The same statements as above, without a branch between the sums: a conditional update is compiled as a
-        // select, which may not fuse the multiply-add the way the statements above do.
-        const float* w = scores + m * width;
-        ValuePairs<V, Kv> pairs(values, h, kv_heads, d, shared, c + k, part);
-        for (; pairs.j + 2 <= queries[m].seen; pairs.next()) {
-          V v0, v1;
-          pairs.read(v0, v1);
-          even[k][m] += w[pairs.j] * v0;
-          odd[k][m] += w[pairs.j + 1] * v1;
+        // The same pairs as above, the last one of an odd count alone (its second value zero).
+        const int64_t seen = queries[m].seen;
+        V a = chains[0][k][m], b = chains[1][k][m];
+        for (ValuePairs<V, Kv> own(values, h, kv_heads, d, shared, c + k, part); own.j < seen;) {
+          a = add_pair<DOT>(a, own.template pair<DOT>(0, own.j + 1 == seen), scores + m * width, own.j);
+          own.next();
+          if (own.j >= seen) break;
+          b = add_pair<DOT>(b, own.template pair<DOT>(0, own.j + 1 == seen), scores + m * width, own.j);
+          own.next();
         }
-        if (pairs.j < queries[m].seen) even[k][m] += w[pairs.j] * pairs.read_first();
-        const V scaled = (even[k][m] + odd[k][m]) * inverse[m];
+        const V scaled = (a + b) * inverse[m];
         store_vec(queries[m].out + (c + k) * LANES + part * lanes_of<V>, scaled);
       }
   }
 }
 
 // What a tile's queries see together: key blocks first_block .. blocks - 1, their scores in rows of width, and
-// the positions before shared (in pairs) that all of them see.
+// the positions before shared (a multiple of 4: value_chunks' pairs of pairs) that all of them see.
 struct Span {
   int64_t first_min, first_block, blocks, width, shared;
 };
@@ -299,22 +353,25 @@ inline __attribute__((always_inline)) Span span_of(const Query* queries, int64_t
     first_min = std::min(first_min, queries[m].first);
   }
   const int64_t blocks = (seen_max + KEY_BLOCK - 1) / KEY_BLOCK;
-  return Span{first_min, first_min / KEY_BLOCK, blocks, blocks * KEY_BLOCK, seen_min / 2 * 2};
+  return Span{first_min, first_min / KEY_BLOCK, blocks, blocks * KEY_BLOCK, seen_min / 4 * 4};
 }
 
-// Chunks c0 .. c1 - 1 of T queries' weighted values, two a pass where the path's registers hold them (WIDE).
-template <typename F, int T, int WIDE, typename Kv>
+// Chunks c0 .. c1 - 1 of T queries' weighted values, two a pass where the path's registers hold them (WIDE), a
+// pair of positions a VDPBF16PS with DOT (a bf16 cache's weights packed by softmax_row).
+template <typename F, int T, int WIDE, bool DOT, typename Kv>
 inline __attribute__((always_inline)) void weigh_values(const Query* queries, const Kv* values, int64_t h,
                                                         int64_t kv_heads, int64_t d, const float* scores,
                                                         const Span& span, const float* inverse, int64_t c0,
                                                         int64_t c1) {
+  const FlushDenormals flushed;
   int64_t c = c0;
   if constexpr (T <= WIDE)
     for (; c + 2 <= c1; c += 2)
-      value_chunks<F, T, 2>(queries, values, h, kv_heads, d, scores, span.width, inverse, span.shared,
-                            span.first_min, c);
+      value_chunks<F, T, 2, DOT>(queries, values, h, kv_heads, d, scores, span.width, inverse, span.shared,
+                                 span.first_min, c);
   for (; c < c1; ++c)
-    value_chunks<F, T, 1>(queries, values, h, kv_heads, d, scores, span.width, inverse, span.shared, span.first_min, c);
+    value_chunks<F, T, 1, DOT>(queries, values, h, kv_heads, d, scores, span.width, inverse, span.shared,
+                               span.first_min, c);
 }
 
 // A tile of count (1 .. T) queries of KV head h (keys: its first block; values: position 0 of the layer) is
@@ -333,25 +390,27 @@ inline __attribute__((always_inline)) void tile_stage(Stage stage, const Query* 
     if (count < T)
       return tile_stage<F, T - 1, WIDE, DOT>(stage, queries, count, keys, values, h, kv_heads, d, scale, scores,
                                              inverse, from, to);
+  constexpr bool bf16 = std::is_same_v<Kv, BFloat16>, dot = DOT && bf16;
   const Span span = span_of(queries, T);
   const auto scores_of = [&](int64_t first, int64_t last) __attribute__((always_inline)) {
     score_tile<F, T, DOT>(queries, keys, values + h * KEY_BLOCK * d, kv_heads * d * KEY_BLOCK,
                           std::max(first, span.first_block), std::min(last, span.blocks), d, scale, scores, span.width);
   };
   const auto softmax = [&](int64_t m) __attribute__((always_inline)) {
-    return softmax_row<F>(scores + m * span.width, span.first_block * KEY_BLOCK, queries[m].first, queries[m].seen);
+    return softmax_row<F, bf16, dot>(scores + m * span.width, span.first_block * KEY_BLOCK, queries[m].first,
+                                     queries[m].seen);
   };
   if (stage == Stage::whole) {
     float own[T];  // not inverse: a local array the compiler knows no store reaches
     scores_of(0, span.blocks);
     for (int m = 0; m < T; ++m) own[m] = softmax(m);
-    weigh_values<F, T, WIDE>(queries, values, h, kv_heads, d, scores, span, own, 0, d / LANES);
+    weigh_values<F, T, WIDE, dot>(queries, values, h, kv_heads, d, scores, span, own, 0, d / LANES);
   } else if (stage == Stage::scores) {
     scores_of(from, to);
   } else if (stage == Stage::softmax) {
     inverse[from] = softmax(from);
   } else {
-    weigh_values<F, T, WIDE>(queries, values, h, kv_heads, d, scores, span, inverse, from, to);
+    weigh_values<F, T, WIDE, dot>(queries, values, h, kv_heads, d, scores, span, inverse, from, to);
   }
 }
 

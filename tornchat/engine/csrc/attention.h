@@ -8,13 +8,16 @@
 // (a step's grouped heads, a chunk's neighbouring rows) share each load of keys and values. The loops are compiled
 // once per instruction-set path (attend_path; vec.h), each product added to its sum in one fused multiply-add on
 // the vector paths, so that AVX2 and AVX-512 machines get the same bits; with AVX-512 BF16 a bf16 cache's scores
-// take VDPBF16PS, whose two multiply-adds per pair of dims are the same operations.
+// and weighted values take VDPBF16PS, whose two multiply-adds per pair are the same operations.
 //
 // The semantics, per query q and position j (what attend_ref computes, up to fp32 rounding order):
 //   score_j = s * scale, s = one sum over the dims in order of pairs t, q_2t+1 k_j,2t+1 and then q_2t k_j,2t
 //             (denormals flushed to zero; with a bf16 cache q is a bf16 vector, so each product is exact);
-//   w_j = exp(score_j - max score), total = the 16-lane sums of w in order of 16-position groups, then a tree;
-//   out = (sum over even j of w_j v_j + sum over odd j of w_j v_j) / total, each sum in order of j.
+//   w_j = exp(score_j - max score), with a bf16 cache rounded to the nearest bf16 (ties away from zero);
+//   total = the 16-lane sums of w in order of 16-position groups, then a tree;
+//   out = (A + B) / total: pair j, j + 1 (j even) adds w_j+1 v_j+1 and then w_j v_j to chain A where j / 2 is
+//         even, B where it is odd, each chain in order of j, denormals flushed (the last position of an odd
+//         count alone, in its pair's chain).
 #pragma once
 #include <ATen/ATen.h>
 
