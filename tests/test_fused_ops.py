@@ -244,18 +244,28 @@ def test_attention_gives_the_same_bits_on_every_vector_path(kv_dtype, heads, kv_
         assert ((outs["generic"] - outs[paths[0]]).abs() <= allowed).all(), (start, n, window)
 
 
+DENORMAL_SHAPE = (40, 3, 8, 2, 64)  # start, rows, heads, KV heads, head_dim
+
+
+def denormal_case(seed: int) -> tuple[list[str], torch.Tensor]:
+    """The vector paths (the test skipped where there are none: the baseline's loops flush nothing off x86) and
+    a random fp32 cache of DENORMAL_SHAPE, keys then values, for a test to make tiny."""
+    paths = vector_paths()
+    if paths == ["generic"]:
+        pytest.skip("no vector path on this CPU (the baseline's loops flush nothing off x86)")
+    torch.manual_seed(seed)
+    start, n, heads, kv_heads, head_dim = DENORMAL_SHAPE
+    return paths, torch.randn(2, (start + n + 15) // 16 * 16, kv_heads, head_dim)
+
+
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 def test_scores_whose_products_are_denormal_are_flushed_on_every_path(kv_dtype):
     """VDPBF16PS flushes a denormal sum to zero whatever MXCSR says, so the other paths' multiply-adds flush
     theirs: queries and keys of 2^-66 (normal numbers) have products of 2^-132 (denormal), every score is 0 and
     each row's output is the plain mean of the values it sees, at a scale (2^120) that would have made the
     unflushed scores differ."""
-    paths = vector_paths()
-    if paths == ["generic"]:
-        pytest.skip("no vector path on this CPU (the baseline's loops flush nothing off x86)")
-    torch.manual_seed(3)
-    start, n, heads, kv_heads, head_dim = 40, 3, 8, 2, 64
-    cache = torch.randn(2, 48, kv_heads, head_dim)
+    paths, cache = denormal_case(seed=3)
+    start, n, heads, kv_heads, head_dim = DENORMAL_SHAPE
     cache[0] = cache[0].sign() * 2.0 ** -66
     cache = cache.to(kv_dtype)
     q = (torch.randn(n, heads, head_dim).sign() * 2.0 ** -66).to(kv_dtype)
@@ -272,12 +282,8 @@ def test_weighted_values_whose_products_are_denormal_are_flushed_on_every_path()
     zero, so the other paths' multiply-adds flush theirs: values of about 2^-125 (normal) times weights below one
     make denormal products, and every vector path gives the same bits; the flush leaves less than the unflushed
     sum (the weights below 1/2 add nothing)."""
-    paths = vector_paths()
-    if paths == ["generic"]:
-        pytest.skip("no vector path on this CPU (the baseline's loops flush nothing off x86)")
-    torch.manual_seed(4)
-    start, n, heads, kv_heads, head_dim = 40, 3, 8, 2, 64
-    cache = torch.randn(2, 48, kv_heads, head_dim)
+    paths, cache = denormal_case(seed=4)
+    start, n, heads, kv_heads, head_dim = DENORMAL_SHAPE
     cache[1] = 2.0**-125 * (1 + cache[1].abs())
     cache = cache.to(torch.bfloat16)
     q = torch.randn(n, heads, head_dim).to(torch.bfloat16)
