@@ -281,7 +281,7 @@ def test_weighted_values_whose_products_are_denormal_are_flushed_on_every_path()
     """With AVX-512 BF16 a bf16 cache's weighted values take VDPBF16PS, which flushes a denormal product or sum to
     zero, so the other paths' multiply-adds flush theirs: values of about 2^-125 (normal) times weights below one
     make denormal products, and every vector path gives the same bits; the flush leaves less than the unflushed
-    sum (the weights below 1/2 add nothing)."""
+    sum (a product below 2^-126 adds nothing)."""
     paths, cache = denormal_case(seed=4)
     start, n, heads, kv_heads, head_dim = DENORMAL_SHAPE
     cache[1] = 2.0**-125 * (1 + cache[1].abs())
