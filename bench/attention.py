@@ -10,10 +10,10 @@ run it under each in turn (docs/performance.md, 2026-12-07, a fifth session).
     python -m bench.attention [--threads 2] [--calls 15]
 """
 import argparse
-import time
 
 import torch
 
+from bench.common import fastest_ms
 from tornchat.engine import blocks, fused
 from tornchat.engine.cpu import describe
 
@@ -29,16 +29,6 @@ def paths() -> list[str]:
     if "avx2" in isas:
         named.append("avx2")
     return named
-
-
-def fastest_ms(fn, calls: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1000
 
 
 def main() -> None:

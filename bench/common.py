@@ -1,4 +1,5 @@
-"""What the benchmarks share: a free port, percentiles, decode rates and the one results writer."""
+"""What the benchmarks share: a free port, percentiles, decode rates, the fastest of several calls and the one
+results writer."""
 import json
 import socket
 import time
@@ -36,6 +37,18 @@ def greedy_steps_rate(runner, cache, token: int, steps: int) -> tuple[float, int
     for _ in range(steps):
         token = int(runner.forward([token], cache, decode=True).argmax())
     return steps / (time.perf_counter() - started), token
+
+
+def fastest_ms(fn, calls: int) -> float:
+    """Milliseconds of fn's fastest call of calls (after one untimed): on a machine shared with other work, the
+    least disturbed one."""
+    fn()
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
 
 
 def stamp() -> str:

@@ -23,12 +23,11 @@ bench/results/.
 """
 import argparse
 import json
-import time
 from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, write_results
+from bench.common import RESULTS, fastest_ms, write_results
 from tornchat.engine.cpu import describe
 from tornchat.kernels.sampling import sample_reference
 
@@ -52,16 +51,6 @@ def torch_sort(logits, temperature, top_k, top_p, seed, step):
     sorted_z = sorted_z.masked_fill(mass_before >= top_p[:, None], float("-inf"))
     choice = torch.multinomial(sorted_z.softmax(dim=-1), 1)
     return order.gather(1, choice)[:, 0]
-
-
-def wall_ms(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def main() -> None:
@@ -97,7 +86,7 @@ def main() -> None:
             row = {"batch": batch, "vocab": vocab, "triton": None, "triton-eager": None}
             for name, fn in methods.items():
                 call = lambda fn=fn: fn(logits, *args_)  # noqa: E731
-                row[name] = do_bench(call) if cuda else wall_ms(call, 3 if args.quick else 10)
+                row[name] = do_bench(call) if cuda else fastest_ms(call, 3 if args.quick else 10)
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta = {
