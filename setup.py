@@ -35,7 +35,7 @@ def extensions() -> dict:
     # (the library it then links is torch's own libgomp, loaded once under its soname).
     portable = [] if platform.machine().lower() in NO_BASELINE_FMA else BASELINE_FMA_FLAGS
     options = {"extra_compile_args": ["-O3", "-fopenmp", *portable], "extra_link_args": ["-fopenmp"], "optional": True}
-    blocks = [f"tornchat/engine/csrc/blocks/{name}" for name in ("dispatch.cpp", "generic.cpp", "layouts.cpp", "x86.cpp")]
+    blocks = [f"tornchat/engine/csrc/blocks/{name}" for name in ("dispatch.cpp", "generic.cpp", "layouts.cpp", "x86.cpp", "arm.cpp")]
     modules = [
         CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp", "tornchat/engine/csrc/attention.cpp", *blocks], **options),
         CppExtension("tornchat.engine._ggml", ["tornchat/engine/csrc/ggml.cpp"], **options),

@@ -1,11 +1,12 @@
 """The C++ kernels build for 64-bit ARM too (aarch64: Graviton, Ampere, Apple silicon under Linux).
 
-There only the portable code exists: csrc/blocks/generic.cpp and vec.h's baseline loops; the x86 paths sit
-behind their guards. A stray intrinsic or x86-only header outside them would break an ARM user's build, and
-since the build is optional, pip would install tornchat without it, on the slow PyTorch references, saying
-nothing. Each source is checked here for aarch64 by a cross-compiler (-fsyntax-only; one is also assembled).
-Nothing here runs ARM code: tests/aarch64/run.sh does, under qemu-user, outside the suite (it downloads torch's
-aarch64 wheel); no timing of ARM exists.
+There the portable code exists (csrc/blocks/generic.cpp, vec.h's baseline loops) and the dotprod path
+(csrc/blocks/arm.cpp, SDOT where the CPU has the Armv8.2 dot product); the x86 paths sit behind their guards. A
+stray intrinsic or x86-only header outside them would break an ARM user's build, and since the build is
+optional, pip would install tornchat without it, on the slow PyTorch references, saying nothing. Each source is
+checked here for aarch64 by a cross-compiler (-fsyntax-only; two are also assembled). Nothing here runs ARM code:
+tests/aarch64/run.sh does, under qemu-user, outside the suite (it downloads torch's aarch64 wheel); no timing of
+ARM exists.
 
 aarch64 also has a fused multiply-add in its baseline, which GCC's default fuses a product and a following sum
 into wherever it sees the pair, and not alike in a loop's inlined copies (one row's call, many rows' threads):
@@ -42,9 +43,11 @@ def test_setup_builds_every_source():
 
 
 # Compiled to assembly rather than only checked: the activations' quantization (quantize_rows), whose rounding
-# to int8 every row's product starts from.
+# to int8 every row's product starts from; and the dotprod path, whose guards could leave it empty.
 ASSEMBLED = "blocks/dispatch.cpp"
+DOTPROD = "blocks/arm.cpp"
 FUSED = re.compile(r"^\s*(fmadd|fmsub|fnmadd|fnmsub|fmla|fmls)\b", re.MULTILINE)
+SDOT = re.compile(r"^\s*sdot\s", re.MULTILINE)
 
 
 def test_every_source_compiles_for_aarch64():
@@ -58,10 +61,10 @@ def test_every_source_compiles_for_aarch64():
     flags = ["-std=c++20", "-O3", "-fopenmp", *setup_constant("BASELINE_FMA_FLAGS"), "-w",
              *(f"-I{path}" for path in include_paths()), f"-I{sysconfig.get_paths()['include']}"]
     sources = sorted(CSRC.rglob("*.cpp"))
-    assert len(sources) >= 7 and CSRC / ASSEMBLED in sources, sources
+    assert len(sources) >= 8 and {CSRC / ASSEMBLED, CSRC / DOTPROD} <= set(sources), sources
 
     def compile_one(source: Path) -> subprocess.CompletedProcess:
-        output = ["-S", "-o", "-"] if source == CSRC / ASSEMBLED else ["-fsyntax-only"]
+        output = ["-S", "-o", "-"] if source in (CSRC / ASSEMBLED, CSRC / DOTPROD) else ["-fsyntax-only"]
         return subprocess.run([compiler, *flags, *output, str(source)], capture_output=True, text=True, timeout=600)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -70,3 +73,4 @@ def test_every_source_compiles_for_aarch64():
     assert not failed, failed
     fused = FUSED.findall(results[CSRC / ASSEMBLED].stdout)
     assert not fused, f"{ASSEMBLED} on aarch64 fuses products into sums ({len(fused)} instructions)"
+    assert SDOT.search(results[CSRC / DOTPROD].stdout), f"{DOTPROD} on aarch64 holds no SDOT: the dotprod path is not built"

@@ -1,4 +1,5 @@
-// A row's bits on aarch64, alone and among other rows: block_mm on every GGML type the kernels read, and attention
+// A row's bits on aarch64, alone and among other rows: block_mm on every GGML type the kernels read, on each of
+// the paths the (emulated) CPU runs and against the generic path's, and attention
 // over bf16 and fp32 caches, with and without a sliding window, on the machine's threads. Built and run under
 // qemu-user by run.sh (no ARM machine is at hand); prints one line per check and exits 1 if any row differs.
 #include <ATen/ATen.h>
@@ -7,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "attention.h"
@@ -44,25 +46,40 @@ int main() {
   at::set_num_threads(2);
   at::manual_seed(0);
   int failures = 0;
-  const int64_t n = 48, k = 1024, rows = 300;
+  const int64_t n = 48, rows = 300;
   const std::vector<Layout> layouts = {
       {"Q4_0", tornchat::Q4_0, 18, 32, {0}},        {"Q4_1", tornchat::Q4_1, 20, 32, {0, 2}},
       {"Q5_0", tornchat::Q5_0, 22, 32, {0}},        {"Q5_1", tornchat::Q5_1, 24, 32, {0, 2}},
       {"Q8_0", tornchat::Q8_0, 34, 32, {0}},        {"Q4_K", tornchat::Q4_K, 144, 256, {0, 2}},
       {"Q5_K", tornchat::Q5_K, 176, 256, {0, 2}},   {"Q6_K", tornchat::Q6_K, 210, 256, {208}},
   };
-  const at::Tensor x = at::randn({rows, k}) * 3;
-  for (const Layout& t : layouts) {
-    const std::vector<at::Tensor> parts{random_blocks(t, n, k)};
-    const std::vector<int64_t> types{t.type};
-    const at::Tensor together = tornchat::block_mm(x, parts, types, "");
-    const int differ = rows_apart(together, [&](int64_t r) {
-      return tornchat::block_mm(x.slice(0, r, r + 1).contiguous(), parts, types, "")[0];
-    });
-    std::printf("block_mm %s: %d of %lld rows differ alone from among %lld\n", t.name, differ, (long long)rows,
-                (long long)rows);
-    failures += differ;
-  }
+  const std::vector<std::string> isas = tornchat::block_isas();  // best first; "generic" last
+  std::string names;
+  for (const std::string& isa : isas) names += " " + isa;
+  std::printf("block_mm paths:%s\n", names.c_str());
+  for (const Layout& t : layouts)
+    for (const int64_t k : {1024, 576}) {  // 576: the 135M's rows, whose last group of 32-blocks is short
+      if (k % t.values) continue;
+      const at::Tensor x = at::randn({rows, k}) * 3;
+      const std::vector<at::Tensor> parts{random_blocks(t, n, k)};
+      const std::vector<int64_t> types{t.type};
+      const at::Tensor generic = tornchat::block_mm(x, parts, types, "generic");
+      for (const std::string& isa : isas) {
+        const at::Tensor together = tornchat::block_mm(x, parts, types, isa);
+        const int differ = rows_apart(together, [&](int64_t r) {
+          return tornchat::block_mm(x.slice(0, r, r + 1).contiguous(), parts, types, isa)[0];
+        });
+        // every path the generic path's bits, at row counts that leave each tile height's remainder
+        int from_generic = rows_apart(together, [&](int64_t r) { return generic[r]; });
+        for (const int64_t some : {2, 3, 5, 7}) {
+          const at::Tensor few = tornchat::block_mm(x.slice(0, 0, some).contiguous(), parts, types, isa);
+          from_generic += rows_apart(few, [&](int64_t r) { return generic[r]; });
+        }
+        std::printf("block_mm %s, K %lld, %s: %d of %lld rows differ alone from among %lld; %d differ from generic's\n",
+                    t.name, (long long)k, isa.c_str(), differ, (long long)rows, (long long)rows, from_generic);
+        failures += differ + from_generic;
+      }
+    }
   const int64_t heads = 8, kv_heads = 2, d = 64, capacity = 1216, start = 1100, count = 100;
   for (const auto dtype : {at::kBFloat16, at::kFloat})
     for (const int64_t window : {int64_t{0}, int64_t{500}}) {

@@ -38,7 +38,7 @@ for node in ast.parse(open('$repo/setup.py').read()).body:
 # The kernels and the harness
 csrc="$repo/tornchat/engine/csrc"
 mkdir -p build stubs
-for source in attention.cpp blocks/dispatch.cpp blocks/generic.cpp blocks/layouts.cpp "$here/harness.cpp"; do
+for source in attention.cpp blocks/dispatch.cpp blocks/generic.cpp blocks/layouts.cpp blocks/arm.cpp "$here/harness.cpp"; do
   [ -f "$source" ] || source="$csrc/$source"
   echo "aarch64-linux-gnu-g++ ${flags[*]} ${includes[*]} -I$csrc -c $source -o build/$(basename "$source" .cpp).o"
 done | xargs -P "$(nproc)" -I{} sh -c "{}"
@@ -84,4 +84,13 @@ for cpu in 0 1; do
 done
 for f in possible present online; do echo 0-1 > "$root/sys/devices/system/cpu/$f"; done
 
-qemu-aarch64 -L "$root" -E LD_LIBRARY_PATH="$lib:$work/stubs" build/harness
+# Neoverse N1 has the dot product (the dotprod path, checked against the generic one), Cortex-A72 has not (the
+# generic path alone: the detection must not offer the other).
+status=0
+for cpu in neoverse-n1:"dotprod generic" cortex-a72:"generic"; do
+  echo "== qemu -cpu ${cpu%%:*}"
+  out="$(qemu-aarch64 -cpu "${cpu%%:*}" -L "$root" -E LD_LIBRARY_PATH="$lib:$work/stubs" build/harness)" || status=1
+  echo "$out"
+  grep -qx "block_mm paths: ${cpu#*:}" <<<"$out" || { echo "expected the paths ${cpu#*:}" >&2; status=1; }
+done
+exit $status

@@ -12,7 +12,7 @@ import torch
 
 # Flags worth naming next to a benchmark figure: they decide which kernels are fast.
 NOTABLE_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_tile",
-                 "asimd", "sve", "bf16", "i8mm")
+                 "asimd", "asimddp", "sve", "bf16", "i8mm")
 
 
 @functools.cache

@@ -28,7 +28,7 @@
 //       lane j = fma(m[b], d[b] * s[b], lane j)                 (the types with minimums)
 //   where dot[b] is the exact int32 sum over the block's features of (level - offset) * q and each product
 //   a * d, d * s is rounded to fp32; at the end out = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-//   Every path (amx, avx512vnni, avxvnni, avx2, generic) does exactly these operations, so all paths give the
+//   Every path (amx, avx512vnni, avxvnni, avx2, dotprod, generic) does exactly these operations, so all paths give the
 //   same bits (the integer dots are exact whatever instructions compute them), and so does every row
 //   whatever the other rows of the call, their number, the thread count or the split of the matrix into
 //   parts (batch invariance).
@@ -52,8 +52,9 @@ enum GgmlType : int64_t {
   PANELED = 2000, Q4_0_P16 = PANELED + Q4_0, Q4_1_P16 = PANELED + Q4_1, Q8_0_P16 = PANELED + Q8_0,
 };
 
-// The instruction-set paths this CPU runs, best first ("amx", "avx512vnni", "avxvnni", "avx2", "generic"):
-// detected by CPUID (and, for AMX, the kernel's permission to use its tiles). Every path gives the same bits.
+// The instruction-set paths this CPU runs, best first ("amx", "avx512vnni", "avxvnni", "avx2", "generic"; on
+// aarch64 "dotprod", "generic"): detected by CPUID (and, for AMX, the kernel's permission to use its tiles; on
+// aarch64 by the kernel's HWCAP_ASIMDDP). Every path gives the same bits.
 // The environment variable TORNCHAT_ISA names a lower one to use instead; one this CPU lacks is an error.
 std::vector<std::string> block_isas();
 

@@ -1,6 +1,7 @@
 // What the parts of the block kernels share (blocks.h is their contract): the types' block sizes, the
 // activations quantized once per call (Acts), a kernel's job, the grouped layout's offsets, and each path's
-// entry points. dispatch.cpp chooses a path and calls them; generic.cpp, x86.cpp and layouts.cpp define them.
+// entry points. dispatch.cpp chooses a path and calls them; generic.cpp, x86.cpp, arm.cpp and layouts.cpp define
+// them.
 #pragma once
 
 #include "../blocks.h"
@@ -24,6 +25,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
+#endif
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(TORNCHAT_GENERIC_ONLY)
+#define TORNCHAT_ARM 1
 #endif
 
 namespace tornchat {
@@ -167,6 +171,42 @@ struct GroupedAt {
         levels_at(type == Q4_K ? 16 : type == Q6_K ? 0 : 8 * head), group(type == Q4_K ? 144 : type == Q6_K ? 210 : 8 * bytes) {}
 };
 
+// Per group of 8 blocks of one weight row: the scales a (ws), the minimums m (wm), Q6_K's 16 sub-block
+// scales (wsc), as the semantics in blocks.h give them (the generic and dotprod paths take them so). Lanes past
+// the row's blocks are zero.
+template <int64_t T>
+inline __attribute__((always_inline)) void decode_meta(const uint8_t* row, int64_t g, int nj, float* ws, float* wm,
+                                                       float* wsc) {
+  if (T == Q4_K || T == Q5_K || T == Q6_K) {
+    if (T == Q6_K) {
+      const uint8_t* sb = row + g * 210;
+      const float d = half_to_float(sb + 208);
+      for (int i = 0; i < 16; ++i) wsc[i] = d * static_cast<float>(static_cast<int8_t>(sb[192 + i]));
+      return;
+    }
+    const uint8_t* sb = row + g * (T == Q4_K ? 144 : 176);
+    const float d = half_to_float(sb), dmin = half_to_float(sb + 2);
+    const uint8_t* s = sb + 4;
+    for (int j = 0; j < 4; ++j) {
+      ws[j] = d * static_cast<float>(s[j] & 63);
+      wm[j] = -dmin * static_cast<float>(s[4 + j] & 63);
+      ws[4 + j] = d * static_cast<float>((s[8 + j] & 0xF) | ((s[j] >> 6) << 4));
+      wm[4 + j] = -dmin * static_cast<float>((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
+    }
+    return;
+  }
+  constexpr int64_t bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  for (int j = 0; j < 8; ++j) {
+    if (j < nj) {
+      const uint8_t* blk = row + (g * 8 + j) * bytes;
+      ws[j] = half_to_float(blk);
+      wm[j] = (T == Q4_1 || T == Q5_1) ? half_to_float(blk + 2) : 0.0f;
+    } else {
+      ws[j] = 0.0f, wm[j] = 0.0f;
+    }
+  }
+}
+
 // One row of nb blocks of 32 values between the file's layout and the grouped one, either way (layouts.cpp).
 void regroup_row(const uint8_t* from, uint8_t* to, int64_t nb, int64_t type, bool to_grouped);
 
@@ -190,6 +230,15 @@ void run(const Job& jb, int64_t c0, int64_t c1);
 bool amx_enable();  // whether Linux lets this process use AMX's tiles (asked once)
 #endif
 }  // namespace avx512vnni_path
+#endif
+
+#ifdef TORNCHAT_ARM
+// The aarch64 path with the Armv8.2 dot product (arm.cpp): whether this CPU has it, and columns c0..c1 of a job
+// (the activations quantized as the generic path quantizes them).
+namespace dotprod_path {
+bool available();
+void run(const Job& jb, int64_t c0, int64_t c1);
+}  // namespace dotprod_path
 #endif
 
 }  // namespace blocks_detail

@@ -9,7 +9,7 @@ using namespace blocks_detail;
 
 namespace {
 
-enum class Isa { generic, avx2, avxvnni, avx512vnni, amx };
+enum class Isa { generic, avx2, avxvnni, avx512vnni, amx, dotprod };
 
 const char* isa_name(Isa i) {
   switch (i) {
@@ -17,6 +17,7 @@ const char* isa_name(Isa i) {
     case Isa::avx512vnni: return "avx512vnni";
     case Isa::avxvnni: return "avxvnni";
     case Isa::avx2: return "avx2";
+    case Isa::dotprod: return "dotprod";
     default: return "generic";
   }
 }
@@ -38,6 +39,9 @@ std::vector<Isa> detected() {
   }
   if (avx2 && __builtin_cpu_supports("avxvnni")) out.push_back(Isa::avxvnni);
   if (avx2) out.push_back(Isa::avx2);
+#endif
+#ifdef TORNCHAT_ARM
+  if (dotprod_path::available()) out.push_back(Isa::dotprod);
 #endif
   out.push_back(Isa::generic);
   return out;
@@ -216,6 +220,9 @@ at::Tensor block_mm(const at::Tensor& x, const BlockMatrix& w, at::Tensor out) {
       case Isa::avx512vnni: avx512vnni_path::run(jb, c0, c1); break;
       case Isa::avxvnni: avxvnni_path::run(jb, c0, c1); break;
       case Isa::avx2: avx2_path::run(jb, c0, c1); break;
+#endif
+#ifdef TORNCHAT_ARM
+      case Isa::dotprod: dotprod_path::run(jb, c0, c1); break;
 #endif
       default: generic_run(jb, c0, c1);
     }
