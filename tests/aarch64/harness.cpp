@@ -26,8 +26,12 @@ struct Layout {
 at::Tensor random_blocks(const Layout& t, int64_t n, int64_t k) {
   at::Tensor w = at::randint(0, 256, {n, k / t.values * t.bytes}, at::kByte);
   uint8_t* p = w.data_ptr<uint8_t>();
-  for (int64_t b = 0; b < n * (k / t.values); ++b)
-    for (int at : t.halves) p[b * t.bytes + at] = 0x00, p[b * t.bytes + at + 1] = 0x20;  // 2^-7
+  const int64_t blocks = n * (k / t.values);
+  // each fp16 field its own value, 2^-9 .. 2^-6, so that a scale taken for another (d for dmin) shows
+  const at::Tensor halves = (at::rand({blocks, static_cast<int64_t>(t.halves.size())}) * 0.014 + 0.002).to(at::kHalf);
+  const uint8_t* h = reinterpret_cast<const uint8_t*>(halves.data_ptr<at::Half>());
+  for (int64_t b = 0; b < blocks; ++b)
+    for (size_t i = 0; i < t.halves.size(); ++i) std::memcpy(p + b * t.bytes + t.halves[i], h + 2 * (b * t.halves.size() + i), 2);
   return w;
 }
 

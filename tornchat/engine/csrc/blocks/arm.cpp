@@ -90,63 +90,125 @@ inline __attribute__((always_inline)) void levels(const uint8_t* row, int64_t g,
   }
 }
 
+// Group g's scales as decode_meta gives them, four blocks to a vector (h: blocks 4h .. 4h + 3): ws (a), wm (m),
+// and Q6_K's sub-block scales split into lo (each block's first 16 features) and hi (its second 16). In vectors,
+// where decode_meta's scalar bit work and fp16 conversions took about as many instructions as a row's dots of the
+// group. The same products of the same exact values (fp16 widens exactly, in hardware): the same bits.
+template <int64_t T>
+inline __attribute__((always_inline)) void scales(const uint8_t* row, int64_t g, int nj, float32x4_t* ws,
+                                                  float32x4_t* wm, float32x4_t* lo, float32x4_t* hi) {
+  const auto halves = [](const uint8_t* p) {  // fp16 words at p, p + 2 widened (exactly) to lanes 0, 1
+    uint32_t two;
+    std::memcpy(&two, p, 4);
+    return vcvt_f32_f16(vreinterpret_f16_u32(vdup_n_u32(two)));
+  };
+  const auto widen = [](uint8x8_t b, float32x4_t& first, float32x4_t& second) {  // 8 unsigned bytes to fp32
+    const uint16x8_t w = vmovl_u8(b);
+    first = vcvtq_f32_u32(vmovl_u16(vget_low_u16(w))), second = vcvtq_f32_u32(vmovl_u16(vget_high_u16(w)));
+  };
+  if constexpr (T == Q4_K || T == Q5_K) {
+    // the 12 scale bytes as three words u0 u1 u2: sc = u0 & 63 (blocks 0-3), (u2 & 15) | (u0 >> 6) << 4 (4-7);
+    // mn = u1 & 63, (u2 >> 4) | (u1 >> 6) << 4, byte by byte
+    const uint8_t* sb = row + g * (T == Q4_K ? 144 : 176);
+    uint32_t u[3];
+    std::memcpy(u, sb + 4, 12);
+    const uint32_t sc_low = u[0] & 0x3f3f3f3f, mn_low = u[1] & 0x3f3f3f3f;
+    const uint32_t sc_high = (u[2] & 0x0f0f0f0f) | ((u[0] >> 6) & 0x03030303) << 4;
+    const uint32_t mn_high = ((u[2] >> 4) & 0x0f0f0f0f) | ((u[1] >> 6) & 0x03030303) << 4;
+    const uint32x2_t sc = vset_lane_u32(sc_high, vdup_n_u32(sc_low), 1), mn = vset_lane_u32(mn_high, vdup_n_u32(mn_low), 1);
+    const float32x4_t d_dmin = halves(sb);
+    const float d = vgetq_lane_f32(d_dmin, 0), dmin = vgetq_lane_f32(d_dmin, 1);
+    float32x4_t f[2];
+    widen(vreinterpret_u8_u32(sc), f[0], f[1]);
+    for (int h = 0; h < 2; ++h) ws[h] = vmulq_n_f32(f[h], d);
+    widen(vreinterpret_u8_u32(mn), f[0], f[1]);
+    for (int h = 0; h < 2; ++h) wm[h] = vmulq_f32(vdupq_n_f32(-dmin), f[h]);
+  } else if constexpr (T == Q6_K) {
+    const uint8_t* sb = row + g * 210;
+    const float d = vgetq_lane_f32(halves(sb + 206), 1);  // the super-block's last 2 bytes
+    const int8x16_t sc = vld1q_s8(reinterpret_cast<const int8_t*>(sb + 192));  // sub-block 2j + e: block j's half e
+    const int16x8_t w[2] = {vmovl_s8(vget_low_s8(sc)), vmovl_s8(vget_high_s8(sc))};
+    for (int h = 0; h < 2; ++h) {
+      const float32x4_t a = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(w[h]))), d);
+      const float32x4_t b = vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_high_s16(w[h]))), d);
+      lo[h] = vuzp1q_f32(a, b), hi[h] = vuzp2q_f32(a, b);
+    }
+  } else {  // a scale (and minimum) per block: fp16 words gathered, widened by the hardware's exact conversion
+    constexpr int64_t bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+    constexpr bool with_min = T == Q4_1 || T == Q5_1;
+    uint16_t dh[8] = {0, 0, 0, 0, 0, 0, 0, 0}, mh[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // zero past the row's blocks
+    for (int j = 0; j < nj; ++j) {
+      const uint8_t* blk = row + (g * 8 + j) * bytes;
+      std::memcpy(&dh[j], blk, 2);
+      if constexpr (with_min) std::memcpy(&mh[j], blk + 2, 2);
+    }
+    for (int h = 0; h < 2; ++h) {
+      ws[h] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(dh + 4 * h)));
+      wm[h] = with_min ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(mh + 4 * h))) : vdupq_n_f32(0.0f);
+    }
+  }
+}
+
 // Lanes [sum of a, sum of b, sum of c, sum of d] (exact int32).
 inline __attribute__((always_inline)) int32x4_t lane_totals(int32x4_t a, int32x4_t b, int32x4_t c, int32x4_t d) {
   return vpaddq_s32(vpaddq_s32(a, b), vpaddq_s32(c, d));
 }
 
-// Rows r0 .. r0 + R of column c: each group's levels and scales decoded once, then each row's dots and the
-// semantics' fp32 operations, lanes 0-3 (blocks 0-3 of the group) in one vector and 4-7 in another.
-template <int64_t T, int R>
-void column_rows(const Job& jb, int64_t c, int64_t r0) {
-  const Acts& a = *jb.a;
-  const uint8_t* row = jb.w + c * jb.row_bytes;
-  const int64_t groups = (jb.nb + 7) / 8;
-  float32x4_t acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vdupq_n_f32(0.0f);
-  for (int64_t g = 0; g < groups; ++g) {
-    const int nj = static_cast<int>(std::min<int64_t>(8, jb.nb - g * 8));
-    float ws[8], wm[8], wsc[16];
-    decode_meta<T>(row, g, nj, ws, wm, wsc);
-    int8x16_t lv[8][2];
+// Group g of column `row` for R rows (NJ: 8 for a whole group, else 0 and nj its blocks): its levels and scales
+// decoded once, then each row's dots and the semantics' fp32 operations, lanes 0-3 (blocks 0-3) in one vector
+// and 4-7 in the other. A block's dot is one chain of two SDOT (exact int32); Q6_K's halves stay apart.
+template <int64_t T, int R, int NJ>
+inline __attribute__((always_inline)) void add_group(const Acts& a, const uint8_t* row, int64_t g, int nj, int64_t r0,
+                                                     float32x4_t (*acc)[2]) {
+  if (NJ) nj = NJ;
+  float32x4_t ws[2], wm[2], lo[2], hi[2];
+  scales<T>(row, g, nj, ws, wm, lo, hi);
+  int8x16_t lv[8][2];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    if (j < nj) levels<T>(row, g, j, lv[j][0], lv[j][1]);
+    else lv[j][0] = lv[j][1] = vdupq_n_s8(0);
+  }
+  for (int r = 0; r < R; ++r) {
+    const int8_t* q = a.q.data() + (r0 + r) * a.k + g * 256;
+    const int64_t at = (r0 + r) * a.nbp + g * 8;  // the row's scales, zero past nb (nbp)
+    const float32x4_t d[2] = {vld1q_f32(a.d.data() + at), vld1q_f32(a.d.data() + at + 4)};
+    int32x4_t first[8], second[8];  // per block (4 partial sums): all 32 features; Q6_K: features 0-15, 16-31
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      if (j < nj) levels<T>(row, g, j, lv[j][0], lv[j][1]);
-      else lv[j][0] = lv[j][1] = vdupq_n_s8(0);
+      first[j] = second[j] = vdupq_n_s32(0);
+      if (j >= nj) continue;  // nothing past the row's K is read
+      first[j] = vdotq_s32(first[j], lv[j][0], vld1q_s8(q + 32 * j));
+      if constexpr (T == Q6_K) second[j] = vdotq_s32(second[j], lv[j][1], vld1q_s8(q + 32 * j + 16));
+      else first[j] = vdotq_s32(first[j], lv[j][1], vld1q_s8(q + 32 * j + 16));
     }
-    for (int r = 0; r < R; ++r) {
-      const int8_t* q = a.q.data() + (r0 + r) * a.k + g * 256;
-      const int64_t at = (r0 + r) * a.nbp + g * 8;  // the rows' scales, zero past nb (nbp)
-      const float32x4_t d[2] = {vld1q_f32(a.d.data() + at), vld1q_f32(a.d.data() + at + 4)};
-      int32x4_t first[8], second[8];  // per block, its features 0-15 and 16-31 (4 partial sums each)
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) {
-        if (j < nj) {  // nothing past the row's K is read
-          first[j] = vdotq_s32(vdupq_n_s32(0), lv[j][0], vld1q_s8(q + 32 * j));
-          second[j] = vdotq_s32(vdupq_n_s32(0), lv[j][1], vld1q_s8(q + 32 * j + 16));
-        } else {
-          first[j] = second[j] = vdupq_n_s32(0);
-        }
-      }
 #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h + 3
-        const int32x4_t* f = first + 4 * h;
+    for (int h = 0; h < 2; ++h) {  // blocks 4h .. 4h + 3
+      const int32x4_t* f = first + 4 * h;
+      const int32x4_t dots = lane_totals(f[0], f[1], f[2], f[3]);
+      if constexpr (T == Q6_K) {  // each half-block's dot with its sub-block's scale, the first 16 features first
         const int32x4_t* s = second + 4 * h;
-        if constexpr (T == Q6_K) {  // each half-block's dot with its sub-block's scale, the first 16 features first
-          const float32x4x2_t scale = vld2q_f32(wsc + 8 * h);  // [even: the first 16's | odd: the second 16's]
-          acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(lane_totals(f[0], f[1], f[2], f[3])), vmulq_f32(scale.val[0], d[h]));
-          acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(lane_totals(s[0], s[1], s[2], s[3])), vmulq_f32(scale.val[1], d[h]));
-        } else {
-          const int32x4_t dots = lane_totals(vaddq_s32(f[0], s[0]), vaddq_s32(f[1], s[1]), vaddq_s32(f[2], s[2]),
-                                             vaddq_s32(f[3], s[3]));
-          acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(dots), vmulq_f32(vld1q_f32(ws + 4 * h), d[h]));
-        }
-        if constexpr (has_min(T))
-          acc[r][h] = vfmaq_f32(acc[r][h], vld1q_f32(wm + 4 * h), vld1q_f32(a.ds.data() + at + 4 * h));
+        acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(dots), vmulq_f32(lo[h], d[h]));
+        acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(lane_totals(s[0], s[1], s[2], s[3])), vmulq_f32(hi[h], d[h]));
+      } else {
+        acc[r][h] = vfmaq_f32(acc[r][h], vcvtq_f32_s32(dots), vmulq_f32(ws[h], d[h]));
       }
+      if constexpr (has_min(T)) acc[r][h] = vfmaq_f32(acc[r][h], wm[h], vld1q_f32(a.ds.data() + at + 4 * h));
     }
   }
-  for (int r = 0; r < R; ++r) {  // lane_sum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+}
+
+// Rows r0 .. r0 + R of column c, group after group, then each row's 8 lanes summed as lane_sum sums them.
+template <int64_t T, int R>
+void column_rows(const Job& jb, int64_t c, int64_t r0) {
+  const uint8_t* row = jb.w + c * jb.row_bytes;
+  const int64_t full = jb.nb / 8;
+  float32x4_t acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vdupq_n_f32(0.0f);
+  for (int64_t g = 0; g < full; ++g) add_group<T, R, 8>(*jb.a, row, g, 8, r0, acc);
+  if constexpr (!k_quant(T))  // a K-quant's row is whole super-blocks
+    if (jb.nb % 8) add_group<T, R, 0>(*jb.a, row, full, static_cast<int>(jb.nb % 8), r0, acc);
+  for (int r = 0; r < R; ++r) {  // ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
     const float32x4_t b = vaddq_f32(acc[r][0], acc[r][1]);
     const float32x2_t pairs = vadd_f32(vget_low_f32(b), vget_high_f32(b));
     jb.out[(r0 + r) * jb.n_total + jb.col_offset + c] = vget_lane_f32(pairs, 0) + vget_lane_f32(pairs, 1);
