@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The kernels' generic path on aarch64, run: harness.cpp (beside this file) built with setup.py's aarch64 flags
-# against PyPI's aarch64 torch and run under qemu-user, since no ARM machine is at hand. Not part of the test
+# The kernels on aarch64, run: harness.cpp (beside this file) built with setup.py's aarch64 flags against PyPI's
+# aarch64 torch and run under qemu-user, since no ARM machine is at hand, on a CPU with the dot product (the dotprod
+# path against the generic one) and one without (the generic path alone). Not part of the test
 # suite: it downloads torch's aarch64 wheel (about 430 MB, its CUDA build: the CUDA runtime it links is stubbed,
 # never called). Needs Debian's g++-aarch64-linux-gnu and qemu-user (apt-get install ...), and python3 with pip.
 #
