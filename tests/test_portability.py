@@ -1,7 +1,8 @@
 """The C++ kernels build for 64-bit ARM too (aarch64: Graviton, Ampere, Apple silicon under Linux).
 
-There the portable code exists (csrc/blocks/generic.cpp, vec.h's baseline loops) and the dotprod path
-(csrc/blocks/arm.cpp, SDOT where the CPU has the Armv8.2 dot product); the x86 paths sit behind their guards. A
+There the portable code exists (csrc/blocks/generic.cpp, vec.h's baseline loops) and the aarch64 paths
+(csrc/blocks/arm.cpp: dotprod, SDOT where the CPU has the Armv8.2 dot product; neon, Advanced SIMD alone); the x86
+paths sit behind their guards. A
 stray intrinsic or x86-only header outside them would break an ARM user's build, and since the build is
 optional, pip would install tornchat without it, on the slow PyTorch references, saying nothing. Each source is
 checked here for aarch64 by a cross-compiler (-fsyntax-only; two are also assembled). Nothing here runs ARM code:
@@ -13,6 +14,7 @@ into wherever it sees the pair, and not alike in a loop's inlined copies (one ro
 setup.py turns that off there (BASELINE_FMA_FLAGS), and the activations' quantization, compiled to assembly
 here, is checked to fuse nothing (it did, in the threads' copies, before either)."""
 import ast
+import collections
 import re
 import shutil
 import subprocess
@@ -43,11 +45,24 @@ def test_setup_builds_every_source():
 
 
 # Compiled to assembly rather than only checked: the activations' quantization (quantize_rows), whose rounding
-# to int8 every row's product starts from; and the dotprod path, whose guards could leave it empty.
+# to int8 every row's product starts from; and the aarch64 paths, whose guards could leave them empty, and of which
+# only dotprod may hold the dot product's SDOT (the neon path runs where the CPU lacks it).
 ASSEMBLED = "blocks/dispatch.cpp"
-DOTPROD = "blocks/arm.cpp"
+ARM = "blocks/arm.cpp"
 FUSED = re.compile(r"^\s*(fmadd|fmsub|fnmadd|fnmsub|fmla|fmls)\b", re.MULTILINE)
-SDOT = re.compile(r"^\s*sdot\s", re.MULTILINE)
+
+
+def instructions_by_path(assembly: str) -> dict[str, collections.Counter]:
+    """Per aarch64 path namespace (dotprod_path, neon_path) of arm.cpp's assembly, its instructions' mnemonics."""
+    by_path: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    path = None
+    for line in assembly.splitlines():
+        label = re.match(r"^(_Z\w+):", line)
+        if label:
+            path = next((p for p in ("dotprod_path", "neon_path") if p in label.group(1)), None)
+        elif path and (mnemonic := re.match(r"^\s+([a-z][\w.]*)\s", line)):
+            by_path[path][mnemonic.group(1)] += 1
+    return by_path
 
 
 def test_every_source_compiles_for_aarch64():
@@ -61,10 +76,10 @@ def test_every_source_compiles_for_aarch64():
     flags = ["-std=c++20", "-O3", "-fopenmp", *setup_constant("BASELINE_FMA_FLAGS"), "-w",
              *(f"-I{path}" for path in include_paths()), f"-I{sysconfig.get_paths()['include']}"]
     sources = sorted(CSRC.rglob("*.cpp"))
-    assert len(sources) >= 8 and {CSRC / ASSEMBLED, CSRC / DOTPROD} <= set(sources), sources
+    assert len(sources) >= 8 and {CSRC / ASSEMBLED, CSRC / ARM} <= set(sources), sources
 
     def compile_one(source: Path) -> subprocess.CompletedProcess:
-        output = ["-S", "-o", "-"] if source in (CSRC / ASSEMBLED, CSRC / DOTPROD) else ["-fsyntax-only"]
+        output = ["-S", "-o", "-"] if source in (CSRC / ASSEMBLED, CSRC / ARM) else ["-fsyntax-only"]
         return subprocess.run([compiler, *flags, *output, str(source)], capture_output=True, text=True, timeout=600)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -73,4 +88,7 @@ def test_every_source_compiles_for_aarch64():
     assert not failed, failed
     fused = FUSED.findall(results[CSRC / ASSEMBLED].stdout)
     assert not fused, f"{ASSEMBLED} on aarch64 fuses products into sums ({len(fused)} instructions)"
-    assert SDOT.search(results[CSRC / DOTPROD].stdout), f"{DOTPROD} on aarch64 holds no SDOT: the dotprod path is not built"
+    paths = instructions_by_path(results[CSRC / ARM].stdout)
+    assert paths["dotprod_path"]["sdot"] > 0, f"{ARM}: the dotprod path holds no SDOT (not built?)"
+    assert paths["neon_path"]["smull"] + paths["neon_path"]["smull2"] > 0, f"{ARM}: the neon path is not built"
+    assert paths["neon_path"]["sdot"] == 0, f"{ARM}: the neon path uses SDOT, which its CPUs lack"

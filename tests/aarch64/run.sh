@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The kernels on aarch64, run: harness.cpp (beside this file) built with setup.py's aarch64 flags against PyPI's
 # aarch64 torch and run under qemu-user, since no ARM machine is at hand, on a CPU with the dot product (the dotprod
-# path against the generic one) and one without (the generic path alone). Not part of the test
+# and neon paths against the generic one) and one without (neon and generic). Not part of the test
 # suite: it downloads torch's aarch64 wheel (about 430 MB, its CUDA build: the CUDA runtime it links is stubbed,
 # never called). Needs Debian's g++-aarch64-linux-gnu and qemu-user (apt-get install ...), and python3 with pip.
 #
@@ -85,10 +85,10 @@ for cpu in 0 1; do
 done
 for f in possible present online; do echo 0-1 > "$root/sys/devices/system/cpu/$f"; done
 
-# Neoverse N1 has the dot product (the dotprod path, checked against the generic one), Cortex-A72 has not (the
-# generic path alone: the detection must not offer the other).
+# Neoverse N1 has the dot product (the dotprod and neon paths, checked against the generic one), Cortex-A72 has not
+# (neon and generic: the detection must not offer dotprod).
 status=0
-for cpu in neoverse-n1:"dotprod generic" cortex-a72:"generic"; do
+for cpu in neoverse-n1:"dotprod neon generic" cortex-a72:"neon generic"; do
   echo "== qemu -cpu ${cpu%%:*}"
   out="$(qemu-aarch64 -cpu "${cpu%%:*}" -L "$root" -E LD_LIBRARY_PATH="$lib:$work/stubs" build/harness)" || status=1
   echo "$out"

@@ -63,7 +63,7 @@ def available() -> bool:
 def isas() -> list[str]:
     """The instruction-set paths this CPU runs, best first: some of "amx" (avx512vnni with AMX tiles for
     every 16 rows), "avx512vnni", "avxvnni", "avx2" (x86-64), "dotprod" (aarch64 with the Armv8.2 dot product),
-    and always "generic" (plain C++). All give the same bits."""
+    "neon" (every aarch64 CPU), and always "generic" (plain C++). All give the same bits."""
     return list(_native().block_isas())
 
 

@@ -28,9 +28,9 @@
 //       lane j = fma(m[b], d[b] * s[b], lane j)                 (the types with minimums)
 //   where dot[b] is the exact int32 sum over the block's features of (level - offset) * q and each product
 //   a * d, d * s is rounded to fp32; at the end out = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)).
-//   Every path (amx, avx512vnni, avxvnni, avx2, dotprod, generic) does exactly these operations, so all paths give the
-//   same bits (the integer dots are exact whatever instructions compute them), and so does every row
-//   whatever the other rows of the call, their number, the thread count or the split of the matrix into
+//   Every path (amx, avx512vnni, avxvnni, avx2, dotprod, neon, generic) does exactly these operations, so all
+//   paths give the same bits (the integer dots are exact whatever instructions compute them), and so does every
+//   row whatever the other rows of the call, their number, the thread count or the split of the matrix into
 //   parts (batch invariance).
 //   Float types: w in fp32 (exact from F16/BF16), the products summed with fused multiply-adds into 8 lanes,
 //   feature k into lane k % 8 in order of k, then the same 8-lane sum; x is not quantized.
@@ -53,7 +53,7 @@ enum GgmlType : int64_t {
 };
 
 // The instruction-set paths this CPU runs, best first ("amx", "avx512vnni", "avxvnni", "avx2", "generic"; on
-// aarch64 "dotprod", "generic"): detected by CPUID (and, for AMX, the kernel's permission to use its tiles; on
+// aarch64 "dotprod", "neon", "generic"): detected by CPUID (and, for AMX, the kernel's permission to use its tiles; on
 // aarch64 by the kernel's HWCAP_ASIMDDP). Every path gives the same bits.
 // The environment variable TORNCHAT_ISA names a lower one to use instead; one this CPU lacks is an error.
 std::vector<std::string> block_isas();

@@ -233,12 +233,15 @@ bool amx_enable();  // whether Linux lets this process use AMX's tiles (asked on
 #endif
 
 #ifdef TORNCHAT_ARM
-// The aarch64 path with the Armv8.2 dot product (arm.cpp): whether this CPU has it, and columns c0..c1 of a job
-// (the activations quantized as the generic path quantizes them).
+// The aarch64 paths (arm.cpp): columns c0..c1 of a job with the Armv8.2 dot product (and whether this CPU has it)
+// or on Advanced SIMD alone, which every aarch64 CPU has; the activations quantized as the generic path does.
 namespace dotprod_path {
 bool available();
 void run(const Job& jb, int64_t c0, int64_t c1);
 }  // namespace dotprod_path
+namespace neon_path {
+void run(const Job& jb, int64_t c0, int64_t c1);
+}  // namespace neon_path
 #endif
 
 }  // namespace blocks_detail

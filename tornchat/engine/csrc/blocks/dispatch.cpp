@@ -9,7 +9,7 @@ using namespace blocks_detail;
 
 namespace {
 
-enum class Isa { generic, avx2, avxvnni, avx512vnni, amx, dotprod };
+enum class Isa { generic, avx2, avxvnni, avx512vnni, amx, neon, dotprod };
 
 const char* isa_name(Isa i) {
   switch (i) {
@@ -18,6 +18,7 @@ const char* isa_name(Isa i) {
     case Isa::avxvnni: return "avxvnni";
     case Isa::avx2: return "avx2";
     case Isa::dotprod: return "dotprod";
+    case Isa::neon: return "neon";
     default: return "generic";
   }
 }
@@ -42,6 +43,7 @@ std::vector<Isa> detected() {
 #endif
 #ifdef TORNCHAT_ARM
   if (dotprod_path::available()) out.push_back(Isa::dotprod);
+  out.push_back(Isa::neon);
 #endif
   out.push_back(Isa::generic);
   return out;
@@ -223,6 +225,7 @@ at::Tensor block_mm(const at::Tensor& x, const BlockMatrix& w, at::Tensor out) {
 #endif
 #ifdef TORNCHAT_ARM
       case Isa::dotprod: dotprod_path::run(jb, c0, c1); break;
+      case Isa::neon: neon_path::run(jb, c0, c1); break;
 #endif
       default: generic_run(jb, c0, c1);
     }
