@@ -92,3 +92,25 @@ def test_every_source_compiles_for_aarch64():
     assert paths["dotprod_path"]["sdot"] > 0, f"{ARM}: the dotprod path holds no SDOT (not built?)"
     assert paths["neon_path"]["smull"] + paths["neon_path"]["smull2"] > 0, f"{ARM}: the neon path is not built"
     assert paths["neon_path"]["sdot"] == 0, f"{ARM}: the neon path uses SDOT, which its CPUs lack"
+
+
+@pytest.mark.parametrize("cpu", ["", "apple-m1"])
+def test_the_arm_paths_build_with_clang(cpu):
+    # Apple's compiler is clang, whose arm_neon.h (14 here) declares SDOT only where the build's baseline has the dot
+    # product, not in a function of that target as GCC's does: with Apple silicon's baseline the dotprod path
+    # builds, with Armv8.0's only the neon path does, and either way the build must not break.
+    compiler = shutil.which("clang++")
+    if compiler is None:
+        pytest.skip("no clang++ here (apt-get install clang; .ci/run installs it)")
+    from torch.utils.cpp_extension import include_paths
+
+    flags = ["--target=aarch64-linux-gnu", *([f"-mcpu={cpu}"] if cpu else []), "-std=c++20", "-O2", "-w",
+             *(f"-I{path}" for path in include_paths()), f"-I{sysconfig.get_paths()['include']}"]
+    results = {source: subprocess.run([compiler, *flags, "-S", "-o", "-", str(CSRC / source)], capture_output=True,
+                                      text=True, timeout=600) for source in (ARM, ASSEMBLED)}
+    failed = {source: r.stderr[-3000:] for source, r in results.items() if r.returncode}
+    assert not failed, failed
+    paths = instructions_by_path(results[ARM].stdout)
+    assert paths["neon_path"]["smull"] + paths["neon_path"]["smull2"] > 0, f"{ARM}: the neon path is not built"
+    assert (paths["dotprod_path"]["sdot"] > 0) == (cpu == "apple-m1"), dict(paths["dotprod_path"])
+    assert ("dotprod_path" in results[ASSEMBLED].stdout) == (cpu == "apple-m1"), "dispatch.cpp offers what is not built"

@@ -25,20 +25,18 @@
 #undef PASS_NS
 #undef PASS_DOT
 
-// SDOT in this pass's functions whatever the build's baseline (-march=armv8-a has none); dispatch.cpp calls them
-// only where the CPU has it, and every CPU with it implements Armv8.2 (GCC's arm_neon.h declares SDOT so).
+#ifdef TORNCHAT_ARM_DOTPROD
+// SDOT in this pass's functions whatever the build's baseline (-march=armv8-a has none; with clang, only a baseline
+// that has it: common.h); dispatch.cpp calls them only where the CPU has it, and every CPU with it implements
+// Armv8.2 (GCC's arm_neon.h declares SDOT so).
 #define PASS_NS dotprod_path
 #define PASS_DOT 1
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("dotprod"))), apply_to = function)
-#else
+#ifndef __clang__
 #pragma GCC push_options
 #pragma GCC target("arch=armv8.2-a+dotprod")
 #endif
 #include "arm_kernels.inc"
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
+#ifndef __clang__
 #pragma GCC pop_options
 #endif
 #undef PASS_NS
@@ -61,5 +59,6 @@ bool available() {
 }  // namespace dotprod_path
 }  // namespace blocks_detail
 }  // namespace tornchat
+#endif  // TORNCHAT_ARM_DOTPROD
 
 #endif  // TORNCHAT_ARM

@@ -28,6 +28,11 @@
 #endif
 #if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(TORNCHAT_GENERIC_ONLY)
 #define TORNCHAT_ARM 1
+// The dotprod pass (arm.cpp) needs SDOT in functions of its own target: GCC's arm_neon.h declares it so, clang's
+// (up to 15 at least) only where the build's baseline has the dot product (as Apple's does).
+#if !defined(__clang__) || defined(__ARM_FEATURE_DOTPROD)
+#define TORNCHAT_ARM_DOTPROD 1
+#endif
 #endif
 
 namespace tornchat {
@@ -235,10 +240,12 @@ bool amx_enable();  // whether Linux lets this process use AMX's tiles (asked on
 #ifdef TORNCHAT_ARM
 // The aarch64 paths (arm.cpp): columns c0..c1 of a job with the Armv8.2 dot product (and whether this CPU has it)
 // or on Advanced SIMD alone, which every aarch64 CPU has; the activations quantized as the generic path does.
+#ifdef TORNCHAT_ARM_DOTPROD
 namespace dotprod_path {
 bool available();
 void run(const Job& jb, int64_t c0, int64_t c1);
 }  // namespace dotprod_path
+#endif
 namespace neon_path {
 void run(const Job& jb, int64_t c0, int64_t c1);
 }  // namespace neon_path

@@ -41,8 +41,10 @@ std::vector<Isa> detected() {
   if (avx2 && __builtin_cpu_supports("avxvnni")) out.push_back(Isa::avxvnni);
   if (avx2) out.push_back(Isa::avx2);
 #endif
-#ifdef TORNCHAT_ARM
+#ifdef TORNCHAT_ARM_DOTPROD
   if (dotprod_path::available()) out.push_back(Isa::dotprod);
+#endif
+#ifdef TORNCHAT_ARM
   out.push_back(Isa::neon);
 #endif
   out.push_back(Isa::generic);
@@ -223,8 +225,10 @@ at::Tensor block_mm(const at::Tensor& x, const BlockMatrix& w, at::Tensor out) {
       case Isa::avxvnni: avxvnni_path::run(jb, c0, c1); break;
       case Isa::avx2: avx2_path::run(jb, c0, c1); break;
 #endif
-#ifdef TORNCHAT_ARM
+#ifdef TORNCHAT_ARM_DOTPROD
       case Isa::dotprod: dotprod_path::run(jb, c0, c1); break;
+#endif
+#ifdef TORNCHAT_ARM
       case Isa::neon: neon_path::run(jb, c0, c1); break;
 #endif
       default: generic_run(jb, c0, c1);
