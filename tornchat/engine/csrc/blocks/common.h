@@ -29,7 +29,7 @@
 #if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(TORNCHAT_GENERIC_ONLY)
 #define TORNCHAT_ARM 1
 // The dotprod pass (arm.cpp) needs SDOT in functions of its own target: GCC's arm_neon.h declares it so, clang's
-// (up to 15 at least) only where the build's baseline has the dot product (as Apple's does).
+// (14's, at least) only where the build's baseline has the dot product (as Apple's does).
 #if !defined(__clang__) || defined(__ARM_FEATURE_DOTPROD)
 #define TORNCHAT_ARM_DOTPROD 1
 #endif
@@ -175,42 +175,6 @@ struct GroupedAt {
       : bytes(type == Q4_0 ? 18 : type == Q4_1 ? 20 : type == Q8_0 ? 34 : 0), head(type == Q4_1 ? 4 : 2),
         levels_at(type == Q4_K ? 16 : type == Q6_K ? 0 : 8 * head), group(type == Q4_K ? 144 : type == Q6_K ? 210 : 8 * bytes) {}
 };
-
-// Per group of 8 blocks of one weight row: the scales a (ws), the minimums m (wm), Q6_K's 16 sub-block
-// scales (wsc), as the semantics in blocks.h give them (the generic and dotprod paths take them so). Lanes past
-// the row's blocks are zero.
-template <int64_t T>
-inline __attribute__((always_inline)) void decode_meta(const uint8_t* row, int64_t g, int nj, float* ws, float* wm,
-                                                       float* wsc) {
-  if (T == Q4_K || T == Q5_K || T == Q6_K) {
-    if (T == Q6_K) {
-      const uint8_t* sb = row + g * 210;
-      const float d = half_to_float(sb + 208);
-      for (int i = 0; i < 16; ++i) wsc[i] = d * static_cast<float>(static_cast<int8_t>(sb[192 + i]));
-      return;
-    }
-    const uint8_t* sb = row + g * (T == Q4_K ? 144 : 176);
-    const float d = half_to_float(sb), dmin = half_to_float(sb + 2);
-    const uint8_t* s = sb + 4;
-    for (int j = 0; j < 4; ++j) {
-      ws[j] = d * static_cast<float>(s[j] & 63);
-      wm[j] = -dmin * static_cast<float>(s[4 + j] & 63);
-      ws[4 + j] = d * static_cast<float>((s[8 + j] & 0xF) | ((s[j] >> 6) << 4));
-      wm[4 + j] = -dmin * static_cast<float>((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
-    }
-    return;
-  }
-  constexpr int64_t bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
-  for (int j = 0; j < 8; ++j) {
-    if (j < nj) {
-      const uint8_t* blk = row + (g * 8 + j) * bytes;
-      ws[j] = half_to_float(blk);
-      wm[j] = (T == Q4_1 || T == Q5_1) ? half_to_float(blk + 2) : 0.0f;
-    } else {
-      ws[j] = 0.0f, wm[j] = 0.0f;
-    }
-  }
-}
 
 // One row of nb blocks of 32 values between the file's layout and the grouped one, either way (layouts.cpp).
 void regroup_row(const uint8_t* from, uint8_t* to, int64_t nb, int64_t type, bool to_grouped);

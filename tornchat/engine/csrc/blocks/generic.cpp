@@ -5,6 +5,41 @@
 namespace tornchat {
 namespace blocks_detail {
 
+// Per group of 8 blocks of one weight row: the scales a (ws), the minimums m (wm), Q6_K's 16 sub-block
+// scales (wsc). Lanes past the row's blocks are zero.
+template <int64_t T>
+inline __attribute__((always_inline)) void decode_meta(const uint8_t* row, int64_t g, int nj, float* ws, float* wm,
+                                                       float* wsc) {
+  if (T == Q4_K || T == Q5_K || T == Q6_K) {
+    if (T == Q6_K) {
+      const uint8_t* sb = row + g * 210;
+      const float d = half_to_float(sb + 208);
+      for (int i = 0; i < 16; ++i) wsc[i] = d * static_cast<float>(static_cast<int8_t>(sb[192 + i]));
+      return;
+    }
+    const uint8_t* sb = row + g * (T == Q4_K ? 144 : 176);
+    const float d = half_to_float(sb), dmin = half_to_float(sb + 2);
+    const uint8_t* s = sb + 4;
+    for (int j = 0; j < 4; ++j) {
+      ws[j] = d * static_cast<float>(s[j] & 63);
+      wm[j] = -dmin * static_cast<float>(s[4 + j] & 63);
+      ws[4 + j] = d * static_cast<float>((s[8 + j] & 0xF) | ((s[j] >> 6) << 4));
+      wm[4 + j] = -dmin * static_cast<float>((s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4));
+    }
+    return;
+  }
+  constexpr int64_t bytes = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : T == Q5_1 ? 24 : 34;
+  for (int j = 0; j < 8; ++j) {
+    if (j < nj) {
+      const uint8_t* blk = row + (g * 8 + j) * bytes;
+      ws[j] = half_to_float(blk);
+      wm[j] = (T == Q4_1 || T == Q5_1) ? half_to_float(blk + 2) : 0.0f;
+    } else {
+      ws[j] = 0.0f, wm[j] = 0.0f;
+    }
+  }
+}
+
 template <int64_t T>
 void generic_levels(const uint8_t* row, int64_t g, int j, int32_t* lv) {  // 32 signed levels (minus offset)
   const int64_t b = g * 8 + j;
