@@ -8,8 +8,8 @@
 // row's quantized activations (SDOT, or multiplies to int16 and pairwise adds: a sum over 4 lanes either way, the
 // lanes then added pairwise, exact), and per lane j = block j of a group the fp32 multiply and fused
 // multiply-adds of the semantics, 4 lanes to a vector. A column's group is decoded once for a tile of up to 4
-// rows. The file's layout only (the x86 paths' grouped and panel layouts go to the generic path); the float
-// types take the generic path.
+// rows. The file's layout only (a part in the grouped layout, which only the x86 paths are given, goes to the
+// generic path, as do the float types).
 #include "common.h"
 
 #ifdef TORNCHAT_ARM
