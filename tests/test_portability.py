@@ -2,12 +2,11 @@
 
 There the portable code exists (csrc/blocks/generic.cpp, vec.h's baseline loops) and the aarch64 paths
 (csrc/blocks/arm.cpp: dotprod, SDOT where the CPU has the Armv8.2 dot product; neon, Advanced SIMD alone); the x86
-paths sit behind their guards. A
-stray intrinsic or x86-only header outside them would break an ARM user's build, and since the build is
-optional, pip would install tornchat without it, on the slow PyTorch references, saying nothing. Each source is
-checked here for aarch64 by a cross-compiler (-fsyntax-only; two are also assembled). Nothing here runs ARM code:
-tests/aarch64/run.sh does, under qemu-user, outside the suite (it downloads torch's aarch64 wheel); no timing of
-ARM exists.
+paths sit behind their guards. A stray intrinsic or x86-only header outside them would break an ARM user's build,
+and since the build is optional, pip would install tornchat without it, on the slow PyTorch references, saying
+nothing. Each source is checked here for aarch64 by a cross-compiler (-fsyntax-only; two are also assembled), and
+the aarch64 paths by clang too. Nothing here runs ARM code: tests/aarch64/run.sh does, under qemu-user, outside
+the suite (it downloads torch's aarch64 wheel); no timing of ARM exists.
 
 aarch64 also has a fused multiply-add in its baseline, which GCC's default fuses a product and a following sum
 into wherever it sees the pair, and not alike in a loop's inlined copies (one row's call, many rows' threads):
