@@ -59,7 +59,10 @@ setup(
         "safetensors",
         "tornado==6.6.1",
         "orjson>=3.10",
-        "triton==3.9.0",
+        # The triton that torch 2.13.0's builds on PyPI (Linux x86-64 and aarch64, CUDA builds) pin: any other makes
+        # pip refuse the install wherever torch is not a CPU wheel (tests/test_install.py). Linux only, as theirs
+        # (macOS has no triton); the CPU server never imports it (kernels/dispatch.py).
+        'triton==3.7.1; platform_system == "Linux"',
         "pyyaml>=6",
         "prometheus-client>=0.20",
         "llguidance==1.9.1",  # grammar-constrained decoding (structured outputs, function calls)
