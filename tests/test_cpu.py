@@ -20,6 +20,16 @@ def test_describe_names_the_cpu_and_the_flags_that_decide_kernels(monkeypatch):
         assert f"torch {torch.__version__}" in line
 
 
+def test_arm_cores_are_named_from_their_part_numbers(monkeypatch):
+    # Linux on arm64 prints no model name: lscpu names the core from these numbers, and so does describe()
+    for info, name in (({"CPU implementer": "0x41", "CPU part": "0xd0c"}, "Arm Neoverse-N1"),
+                       ({"CPU implementer": "0xc0", "CPU part": "0xac3"}, "Ampere Ampere-1"),
+                       ({"CPU implementer": "0x41", "CPU part": "0xfff"}, "Arm part 0xfff"),
+                       ({"CPU implementer": "0x61", "CPU part": "0x022"}, "implementer 0x61 part 0x022")):
+        monkeypatch.setattr(cpu, "_cpuinfo", lambda info=info: info)
+        assert cpu.model_name() == name and cpu.describe().startswith(name)
+
+
 def test_a_machine_without_proc_cpuinfo_still_gets_a_name(monkeypatch):
     monkeypatch.setattr(cpu, "_cpuinfo", lambda: {})
     assert cpu.model_name() and cpu.flags() == frozenset() and "no notable flags" in cpu.describe()

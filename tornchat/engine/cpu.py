@@ -29,9 +29,29 @@ def _cpuinfo() -> dict[str, str]:
     return fields
 
 
+# Linux on arm64 prints no model name, only the core's implementer and part numbers (as lscpu's own table reads
+# them): the cores tornchat's users are likely to run on, by name; any other by its numbers.
+ARM_CORES = {
+    "0x41": ("Arm", {"0xd03": "Cortex-A53", "0xd05": "Cortex-A55", "0xd07": "Cortex-A57", "0xd08": "Cortex-A72",
+                     "0xd09": "Cortex-A73", "0xd0a": "Cortex-A75", "0xd0b": "Cortex-A76", "0xd0c": "Neoverse-N1",
+                     "0xd0d": "Cortex-A77", "0xd40": "Neoverse-V1", "0xd41": "Cortex-A78", "0xd44": "Cortex-X1",
+                     "0xd46": "Cortex-A510", "0xd47": "Cortex-A710", "0xd48": "Cortex-X2", "0xd49": "Neoverse-N2",
+                     "0xd4f": "Neoverse-V2", "0xd80": "Cortex-A520", "0xd81": "Cortex-A720", "0xd82": "Cortex-X4",
+                     "0xd84": "Neoverse-V3", "0xd8e": "Neoverse-N3"}),
+    "0x48": ("HiSilicon", {"0xd01": "TaiShan-v110"}),
+    "0xc0": ("Ampere", {"0xac3": "Ampere-1", "0xac4": "Ampere-1a"}),
+}
+
+
 def model_name() -> str:
     info = _cpuinfo()
-    return info.get("model name") or info.get("Model") or platform.processor() or platform.machine()
+    if info.get("model name") or info.get("Model"):
+        return info.get("model name") or info["Model"]
+    if "CPU implementer" in info:
+        implementer, part = info["CPU implementer"], info.get("CPU part", "?")
+        vendor, parts = ARM_CORES.get(implementer, (f"implementer {implementer}", {}))
+        return f"{vendor} {parts.get(part, f'part {part}')}"
+    return platform.processor() or platform.machine()
 
 
 def flags() -> frozenset[str]:
