@@ -9,8 +9,10 @@ The lean forward's fused CPU ops (tornchat/engine/csrc) and the GGUF block
 decoder (tornchat/engine/csrc/ggml.cpp) build against that torch, so install with
 ``--no-build-isolation`` (the README's commands do): an isolated build would
 fetch another torch. The build is optional: without a compiler, or without
-torch at build time, tornchat installs all the same and runs the PyTorch
-references (tornchat/engine/fused.py, tornchat/engine/ggml.py).
+torch at build time, tornchat installs all the same (its GPU forward uses
+none of it); but on a CPU the lean forward's matrices need the block kernels, so a
+start there says what is missing (tornchat/build.py) and only
+``--model-impl hf`` (transformers' modules) runs.
 """
 import platform
 

@@ -290,6 +290,17 @@ def test_build_picks_runner(tiny_model):
         runner_for(Config(model_impl="hf", quantize="int4"))
 
 
+def test_a_cpu_install_without_the_kernels_says_so_at_start(tiny_model, monkeypatch):
+    # pip installs tornchat where the C++ build fails; the lean forward on a CPU cannot run without it
+    monkeypatch.setattr(blocks, "_import", lambda: (None, "No module named 'tornchat.engine._fused'"))
+    def runner_for(config):
+        return make_runner(checkpoint.Loaded(tokenizer=None, source="tiny", model=tiny_model), config)
+
+    with pytest.raises(checkpoint.CheckpointError, match=r"needs tornchat's C\+\+ kernels.*No module named.*--model-impl hf"):
+        runner_for(Config())
+    assert isinstance(runner_for(Config(model_impl="hf")), HFRunner)  # what the message offers
+
+
 # ---- the real SmolLM2 -------------------------------------------------------
 
 

@@ -56,6 +56,13 @@ def make_runner(loaded: checkpoint.Loaded, config: Config) -> Runner:
             blocks.isa()  # TORNCHAT_ISA, where set, must name a path this CPU runs
         except RuntimeError as exc:
             raise checkpoint.CheckpointError(checkpoint.first_line(exc)) from None
+    elif weights.final_norm.device.type == "cpu":
+        # setup.py's build is optional (pip installs without a compiler), but on a CPU every matrix of the lean
+        # forward is multiplied by those kernels: say so at start, not in a traceback at the first product.
+        raise checkpoint.CheckpointError(
+            f"the lean forward on a CPU needs tornchat's C++ kernels, and this install has none ({blocks.missing()}). "
+            "Install a C++ compiler (apt-get install g++) and install tornchat again "
+            "(pip install --no-build-isolation -e .), or run transformers' modules: --model-impl hf (much slower)")
     return llama.LlamaRunner(spec, weights)
 
 

@@ -47,17 +47,26 @@ QK = 32  # features per activation block
 
 
 @functools.cache
-def _native():
-    """The compiled module (csrc/fused.cpp with csrc/blocks/) where built, else None."""
+def _import():
+    """The compiled module (csrc/fused.cpp with csrc/blocks/) where built, else None; and why not."""
     try:
-        return importlib.import_module("tornchat.engine._fused")
-    except ImportError:
-        return None
+        return importlib.import_module("tornchat.engine._fused"), ""
+    except ImportError as exc:
+        return None, str(exc)
+
+
+def _native():
+    return _import()[0]
 
 
 def available() -> bool:
     """Whether the block kernels are built."""
     return _native() is not None and hasattr(_native(), "block_mm")
+
+
+def missing() -> str:
+    """Why ``available()`` is False: the import's error (a module not built, or built against another torch)."""
+    return _import()[1] or "tornchat.engine._fused has no block kernels"
 
 
 def isas() -> list[str]:
