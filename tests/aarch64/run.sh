@@ -68,28 +68,17 @@ aarch64-linux-gnu-g++ -shared -o stubs/libpython_stub.so stubs/python.o stubs/ca
 aarch64-linux-gnu-g++ -fopenmp -o build/harness build/*.o -L"$lib" -L"$work/stubs" -ltorch_cpu -lc10 -lpython_stub \
   -Wl,--allow-shlib-undefined
 
-# A machine for qemu to show the program: 2 CPUs (Arm Neoverse N1) in /proc and /sys, which torch's CPU probes
-# read at start (the host's x86 files crash them); qemu-user looks absolute paths up under -L first.
+# A machine for qemu to show the program (machine.sh), its libraries the cross-compiler's
 root="$work/root"
-mkdir -p "$root/proc" "$root/sys/devices/system/cpu"
+source "$here/machine.sh"
 ln -sfn /usr/aarch64-linux-gnu/lib "$root/lib"
-: > "$root/proc/cpuinfo"
-for cpu in 0 1; do
-  printf 'processor\t: %s\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\nCPU implementer\t: 0x41\nCPU architecture: 8\nCPU variant\t: 0x3\nCPU part\t: 0xd0c\nCPU revision\t: 1\n\n' "$cpu" >> "$root/proc/cpuinfo"
-  d="$root/sys/devices/system/cpu/cpu$cpu"
-  mkdir -p "$d/topology" "$d/regs/identification" "$d/cache/index0" "$d/cache/index1" "$d/cache/index2"
-  echo 0x00000000413fd0c1 > "$d/regs/identification/midr_el1"
-  echo "$cpu" > "$d/topology/core_id"; echo 0 > "$d/topology/physical_package_id"
-  echo "$cpu" > "$d/topology/thread_siblings_list"; echo 0-1 > "$d/topology/core_siblings_list"
-  for i in 0 1 2; do echo "$cpu" > "$d/cache/index$i/shared_cpu_list"; done
-done
-for f in possible present online; do echo 0-1 > "$root/sys/devices/system/cpu/$f"; done
 
 # Neoverse N1 has the dot product (the dotprod and neon paths, checked against the generic one), Cortex-A72 has not
 # (neon and generic: the detection must not offer dotprod).
 status=0
 for cpu in neoverse-n1:"dotprod neon generic" cortex-a72:"neon generic"; do
   echo "== qemu -cpu ${cpu%%:*}"
+  qemu_machine "$root" "${cpu%%:*}"
   out="$(qemu-aarch64 -cpu "${cpu%%:*}" -L "$root" -E LD_LIBRARY_PATH="$lib:$work/stubs" build/harness)" || status=1
   echo "$out"
   grep -qx "block_mm paths: ${cpu#*:}" <<<"$out" || { echo "expected the paths ${cpu#*:}" >&2; status=1; }
