@@ -49,7 +49,7 @@ setup(
     name="tornchat",
     version="0.1.0",
     description="Low-latency OpenAI-compatible chat-completion server with its own decode loop",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # transformers 5.23 and tornado 6.6 need it (tests/test_install.py)
     packages=["tornchat", "tornchat.engine", "tornchat.server", "tornchat.toolcalls", "tornchat.weights", "tornchat.kernels"],
     package_dir={"tornchat.kernels": "kernels"},
     package_data={"tornchat": ["web/*.html", "web/*.js", "web/*.css", "web/*.svg"]},  # the chat page at GET /

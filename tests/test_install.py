@@ -1,4 +1,5 @@
-"""tornchat's requirements admit what torch's published builds require, so that pip can install both.
+"""tornchat's requirements can be installed together: with what torch's published builds require, and on every
+Python tornchat admits.
 
 setup.py pins torch's release. On a CPU machine pip takes the local CPU wheel, which requires no triton; the
 builds PyPI serves for Linux (x86-64 and aarch64: CUDA builds, what a GPU user and every ARM user get) pin the
@@ -6,6 +7,9 @@ triton they were built with. A tornchat requirement that excludes a version torc
 install there (ResolutionImpossible) while this machine's install passes: setup.py pinned triton==3.9.0 against
 torch 2.13.0's triton==3.7.1 until 2026-12-07. Read here from PyPI: each wheel's METADATA, by HTTP range
 requests (a few MB of a 500 MB wheel); skipped where PyPI cannot be reached.
+
+Likewise setup.py's python_requires said 3.10 while transformers 5.23.0 needs 3.11 (found installing on 3.10,
+2026-12-07): each pinned requirement's release is checked to have a build for the oldest Python tornchat admits.
 """
 import ast
 import io
@@ -19,20 +23,26 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
-from packaging.utils import canonicalize_name
+from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name, parse_wheel_filename
+from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPI = "https://pypi.org/simple"
 
 
-def setup_requirements() -> list[Requirement]:
-    """setup.py's install_requires, read without running setup()."""
+def setup_argument(name: str):
+    """An argument of setup.py's setup() call, read without running it."""
     for node in ast.walk(ast.parse((ROOT / "setup.py").read_text())):
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setup":
             for keyword in node.keywords:
-                if keyword.arg == "install_requires":
-                    return [Requirement(text) for text in ast.literal_eval(keyword.value)]
-    raise AssertionError("setup.py's setup() has no install_requires")
+                if keyword.arg == name:
+                    return ast.literal_eval(keyword.value)
+    raise AssertionError(f"setup.py's setup() has no {name}")
+
+
+def setup_requirements() -> list[Requirement]:
+    return [Requirement(text) for text in setup_argument("install_requires")]
 
 
 def pinned_version(requirement: Requirement) -> str:
@@ -76,17 +86,21 @@ class RemoteFile(io.RawIOBase):
         return len(data)
 
 
+def project_files(project: str) -> list[dict]:
+    """PyPI's files of a project (its simple index, JSON): filename, url, requires-python."""
+    index = urllib.request.Request(f"{PYPI}/{project}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(index, timeout=60) as reply:
+            return json.load(reply)["files"]
+    except (urllib.error.URLError, OSError) as error:
+        pytest.skip(f"PyPI not reachable: {error}")
+
+
 def torch_requirements(version: str, machine: str) -> list[Requirement]:
     """Requires-Dist of PyPI's torch wheel of that release for Linux on that machine and this Python."""
     tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
     name = f"torch-{version}-{tag}-{tag}-manylinux_2_28_{machine}.whl"
-    index = urllib.request.Request(f"{PYPI}/torch/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    try:
-        with urllib.request.urlopen(index, timeout=60) as reply:
-            files = json.load(reply)["files"]
-    except (urllib.error.URLError, OSError) as error:
-        pytest.skip(f"PyPI not reachable: {error}")
-    url = next((entry["url"] for entry in files if entry["filename"] == name), None)
+    url = next((entry["url"] for entry in project_files("torch") if entry["filename"] == name), None)
     assert url, f"PyPI has no {name}"
     wheel = zipfile.ZipFile(io.BufferedReader(RemoteFile(url), buffer_size=1 << 20))
     metadata = wheel.read(f"torch-{version}.dist-info/METADATA").decode()
@@ -110,6 +124,37 @@ def test_torch_pins_nothing_tornchat_excludes(machine):
                 if name in ours and not ours[name].specifier.contains(version, prereleases=True)}
     assert not excluded, f"torch's {machine} build pins {excluded}; setup.py requires " + ", ".join(
         str(ours[name]) for name in excluded)
+
+
+def builds_for(python: Version, entry: dict) -> bool:
+    """Whether a file of PyPI's index installs on that Python (x.y): its Requires-Python and, for a wheel, its tags."""
+    if not SpecifierSet(entry.get("requires-python") or "").contains(python, prereleases=True):
+        return False
+    if not entry["filename"].endswith(".whl"):
+        return True  # an sdist: its Requires-Python says it
+    minor = python.release[1]
+    for tag in parse_wheel_filename(entry["filename"])[3]:
+        if tag.interpreter in ("py3", f"py3{minor}", f"cp3{minor}"):
+            return True
+        if tag.abi == "abi3" and re.fullmatch(r"cp3\d+", tag.interpreter) and int(tag.interpreter[3:]) <= minor:
+            return True
+    return False
+
+
+def test_every_pinned_requirement_builds_for_the_oldest_python_tornchat_admits():
+    oldest = Version(re.fullmatch(r">=\s*(3\.\d+)", setup_argument("python_requires")).group(1))
+    pinned = [r for r in setup_requirements() if applies(r, "x86_64") and any(s.operator == "==" for s in r.specifier)]
+    assert len(pinned) >= 5, pinned
+    without = []
+    for requirement in pinned:
+        version = pinned_version(requirement)
+        files = [entry for entry in project_files(canonicalize_name(requirement.name))
+                 if re.match(rf"{re.escape(requirement.name).replace('-', '[-_]')}-{re.escape(version)}[-.]",
+                             entry["filename"], re.IGNORECASE)]
+        assert files, f"PyPI has no files of {requirement}"
+        if not any(builds_for(oldest, entry) for entry in files):
+            without.append(str(requirement))
+    assert not without, f"setup.py admits Python {oldest}, which {without} do not"
 
 
 def test_requirements_are_read():
