@@ -1,5 +1,14 @@
-# Sourced by run.sh and serve.sh: what an emulated aarch64 machine shows a program under qemu-user.
-#
+# Sourced by run.sh and serve.sh: the tools they need, and what an emulated aarch64 machine shows a program under
+# qemu-user.
+
+# need TOOL...: stops the script where one is missing, saying what installs them.
+need() {
+  local tool
+  for tool in "$@"; do
+    command -v "$tool" >/dev/null || { echo "no $tool: apt-get install g++-aarch64-linux-gnu qemu-user" >&2; exit 2; }
+  done
+}
+
 # qemu_machine ROOT [CPU]: 2 CPUs in ROOT/proc and ROOT/sys, which torch's CPU probes read at start (the host's x86
 # files crash them), described as qemu's -cpu CPU is (neoverse-n1, the default, or cortex-a72); qemu-user, given
 # -L ROOT, looks absolute paths up under ROOT first. The kernels choose their path from the auxiliary vector, which

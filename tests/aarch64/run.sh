@@ -10,11 +10,10 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 work="${1:-$HOME/.cache/tornchat-aarch64}"
+source "$here/machine.sh"
+need aarch64-linux-gnu-g++ qemu-aarch64
 mkdir -p "$work"
 cd "$work"
-for tool in aarch64-linux-gnu-g++ qemu-aarch64; do
-  command -v "$tool" >/dev/null || { echo "no $tool: apt-get install g++-aarch64-linux-gnu qemu-user" >&2; exit 2; }
-done
 
 # torch for aarch64: its headers and libraries
 if [ ! -d torch/lib ]; then
@@ -70,7 +69,7 @@ aarch64-linux-gnu-g++ -fopenmp -o build/harness build/*.o -L"$lib" -L"$work/stub
 
 # A machine for qemu to show the program (machine.sh), its libraries the cross-compiler's
 root="$work/root"
-source "$here/machine.sh"
+mkdir -p "$root"
 ln -sfn /usr/aarch64-linux-gnu/lib "$root/lib"
 
 # Neoverse N1 has the dot product (the dotprod and neon paths, checked against the generic one), Cortex-A72 has not

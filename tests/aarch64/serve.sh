@@ -11,11 +11,10 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
 work="${1:-$HOME/.cache/tornchat-aarch64/serve}"
+source "$here/machine.sh"
+need aarch64-linux-gnu-g++ qemu-aarch64 apt-get
 mkdir -p "$work"
 cd "$work"
-for tool in aarch64-linux-gnu-g++ qemu-aarch64 apt-get; do
-  command -v "$tool" >/dev/null || { echo "no $tool: apt-get install g++-aarch64-linux-gnu qemu-user" >&2; exit 2; }
-done
 
 # Python 3.11 for arm64 and the libraries it loads, unpacked into the root qemu reads absolute paths from
 root="$work/root"
@@ -30,7 +29,6 @@ if [ ! -x "$root/usr/bin/python3.11" ]; then
     libkeyutils1:arm64 libdb5.3:arm64 libgdbm6:arm64)
   for deb in debs/*.deb; do dpkg -x "$deb" "$root"; done
 fi
-source "$here/machine.sh"
 qemu_machine "$root"  # as a Neoverse N1: setup.py's description is asked under it
 python_arm() { qemu-aarch64 -cpu "${CPU:-neoverse-n1}" -L "$root" -E PYTHONPATH="$work/tree:$work/site" \
   -E TORNCHAT_CACHE="$work/cache" "$root/usr/bin/python3.11" "$@"; }
