@@ -30,7 +30,9 @@ if [ ! -x "$root/usr/bin/python3.11" ]; then
   for deb in debs/*.deb; do dpkg -x "$deb" "$root"; done
 fi
 qemu_machine "$root"  # as a Neoverse N1: setup.py's description is asked under it
-python_arm() { qemu-aarch64 -cpu "${CPU:-neoverse-n1}" -L "$root" -E PYTHONPATH="$work/tree:$work/site" \
+# the arm64 Python under qemu, replacing the (sub)shell it is called in: a server started with & is then the
+# process $! names, which kill stops
+python_arm() { exec qemu-aarch64 -cpu "${CPU:-neoverse-n1}" -L "$root" -E PYTHONPATH="$work/tree:$work/site" \
   -E TORNCHAT_CACHE="$work/cache" "$root/usr/bin/python3.11" "$@"; }
 
 # setup.py's requirements, as pip resolves them for aarch64 (the check tests/test_install.py makes, done here),
