@@ -224,7 +224,7 @@ def check(server, document: dict, raw: bytes, path: str = "/v1/chat/completions"
     _, whole, chunk_schema = ENDPOINTS[path]
     reply = post(server, raw, path)
     if reply.status != 200:
-        assert_clean_error(server, reply, raw if isinstance(raw, bytes) else json.dumps(raw).encode())
+        assert_clean_error(server, reply, raw)
         return reply.status
     body = json.loads(raw)
     if body.get("stream") is True:

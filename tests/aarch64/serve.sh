@@ -76,10 +76,11 @@ PY
 mkdir -p obj
 while IFS='|' read -r head compile_flags link_flags; do
   read -r target sources <<<"$head"
+  read -ra files <<<"$sources"
   objects=()
-  for source in $sources; do objects+=("obj/$(basename "$target" .so)-$(echo "$source" | tr / _).o"); done
-  for i in "${!objects[@]}"; do
-    echo "cd tree && aarch64-linux-gnu-g++ $compile_flags -c $(echo $sources | cut -d' ' -f$((i + 1))) -o ../${objects[i]}"
+  for source in "${files[@]}"; do objects+=("obj/$(basename "$target" .so)-${source//\//_}.o"); done
+  for i in "${!files[@]}"; do
+    echo "cd tree && aarch64-linux-gnu-g++ $compile_flags -c ${files[i]} -o ../${objects[i]}"
   done | xargs -P "$(nproc)" -I{} sh -c "{}"
   aarch64-linux-gnu-g++ -shared -o "tree/$target" "${objects[@]}" $link_flags -Wl,--allow-shlib-undefined
 done < extensions.txt

@@ -45,8 +45,9 @@ ARM_CORES = {
 
 def model_name() -> str:
     info = _cpuinfo()
-    if info.get("model name") or info.get("Model"):
-        return info.get("model name") or info["Model"]
+    name = info.get("model name") or info.get("Model")
+    if name:
+        return name
     if "CPU implementer" in info:
         implementer, part = info["CPU implementer"], info.get("CPU part", "?")
         vendor, parts = ARM_CORES.get(implementer, (f"implementer {implementer}", {}))
