@@ -14,17 +14,16 @@ none of it); but on a CPU the lean forward's matrices need the block kernels, so
 start there says what is missing (tornchat/build.py) and only
 ``--model-impl hf`` (transformers' modules) runs.
 """
-import platform
 
 from setuptools import setup
 
-# Added where the architecture's baseline has a fused multiply-add (aarch64 and most others; not x86-64): there
 # GCC's default, -ffp-contract=fast, fuses a product into the sum that follows it wherever it sees the pair, and
-# whether it does can differ between a loop's inlined copies (one row's call, many rows' threads), so that a row's
-# bits would depend on the row count. x86-64's baseline has none; its vector paths fuse under their own target
-# attributes (csrc/vec.h), as the tests check on x86. tests/test_portability.py compiles with these.
-NO_BASELINE_FMA = ("x86_64", "amd64", "i386", "i686")
-BASELINE_FMA_FLAGS = ["-ffp-contract=off"]
+# whether it does differs between targets (x86-64's baseline has no fused multiply-add, its AVX2 path and aarch64
+# do) and can differ between a loop's inlined copies (one row's call, many rows' threads): a row's bits would
+# depend on the CPU and the row count. Off, the kernels' fused multiply-adds are the ones their code writes out
+# (csrc/vec.h's fmadd, the block kernels' intrinsics and std::fma), the same on every path and architecture.
+# tests/test_portability.py compiles with these.
+NO_CONTRACTION = ["-ffp-contract=off"]
 
 
 def extensions() -> dict:
@@ -35,8 +34,7 @@ def extensions() -> dict:
     # No -march=native: the wheel must run on any CPU of its architecture. -fopenmp: ATen's parallel_for is
     # a header template that runs its loop on one thread unless the including code is built with OpenMP
     # (the library it then links is torch's own libgomp, loaded once under its soname).
-    portable = [] if platform.machine().lower() in NO_BASELINE_FMA else BASELINE_FMA_FLAGS
-    options = {"extra_compile_args": ["-O3", "-fopenmp", *portable], "extra_link_args": ["-fopenmp"], "optional": True}
+    options = {"extra_compile_args": ["-O3", "-fopenmp", *NO_CONTRACTION], "extra_link_args": ["-fopenmp"], "optional": True}
     blocks = [f"tornchat/engine/csrc/blocks/{name}" for name in ("dispatch.cpp", "generic.cpp", "layouts.cpp", "x86.cpp", "arm.cpp")]
     modules = [
         CppExtension("tornchat.engine._fused", ["tornchat/engine/csrc/fused.cpp", "tornchat/engine/csrc/attention.cpp", *blocks], **options),

@@ -10,8 +10,8 @@ the suite (it downloads torch's aarch64 wheel); no timing of ARM exists.
 
 aarch64 also has a fused multiply-add in its baseline, which GCC's default fuses a product and a following sum
 into wherever it sees the pair, and not alike in a loop's inlined copies (one row's call, many rows' threads):
-setup.py turns that off there (BASELINE_FMA_FLAGS), and the activations' quantization, compiled to assembly
-here, is checked to fuse nothing (it did, in the threads' copies, before either)."""
+setup.py turns that off on every architecture (NO_CONTRACTION), and the activations' quantization, compiled to
+assembly here, is checked to fuse nothing (it did, in the threads' copies, before either)."""
 import ast
 import collections
 import re
@@ -44,10 +44,12 @@ def test_setup_builds_every_source():
 
 
 # Compiled to assembly rather than only checked: the activations' quantization (quantize_rows), whose rounding
-# to int8 every row's product starts from; and the aarch64 paths, whose guards could leave them empty, and of which
-# only dotprod may hold the dot product's SDOT (the neon path runs where the CPU lacks it).
+# to int8 every row's product starts from; the aarch64 paths, whose guards could leave them empty, and of which
+# only dotprod may hold the dot product's SDOT (the neon path runs where the CPU lacks it); and attention, whose
+# baseline loops' fused multiply-adds (vec.h's fmadd) must be NEON's, four lanes an instruction, not one lane's.
 ASSEMBLED = "blocks/dispatch.cpp"
 ARM = "blocks/arm.cpp"
+ATTENTION = "attention.cpp"
 FUSED = re.compile(r"^\s*(fmadd|fmsub|fnmadd|fnmsub|fmla|fmls)\b", re.MULTILINE)
 
 
@@ -70,15 +72,15 @@ def test_every_source_compiles_for_aarch64():
         pytest.skip(f"no {CROSS} here (apt-get install g++-aarch64-linux-gnu; .ci/run installs it)")
     from torch.utils.cpp_extension import include_paths
 
-    # setup.py's flags on aarch64; the headers are this torch's and this Python's, which declare the same there.
-    assert "aarch64" not in setup_constant("NO_BASELINE_FMA")
-    flags = ["-std=c++20", "-O3", "-fopenmp", *setup_constant("BASELINE_FMA_FLAGS"), "-w",
+    # setup.py's flags; the headers are this torch's and this Python's, which declare the same there.
+    flags = ["-std=c++20", "-O3", "-fopenmp", *setup_constant("NO_CONTRACTION"), "-w",
              *(f"-I{path}" for path in include_paths()), f"-I{sysconfig.get_paths()['include']}"]
     sources = sorted(CSRC.rglob("*.cpp"))
-    assert len(sources) >= 8 and {CSRC / ASSEMBLED, CSRC / ARM} <= set(sources), sources
+    assembled = {CSRC / ASSEMBLED, CSRC / ARM, CSRC / ATTENTION}
+    assert len(sources) >= 8 and assembled <= set(sources), sources
 
     def compile_one(source: Path) -> subprocess.CompletedProcess:
-        output = ["-S", "-o", "-"] if source in (CSRC / ASSEMBLED, CSRC / ARM) else ["-fsyntax-only"]
+        output = ["-S", "-o", "-"] if source in assembled else ["-fsyntax-only"]
         return subprocess.run([compiler, *flags, *output, str(source)], capture_output=True, text=True, timeout=600)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -87,6 +89,10 @@ def test_every_source_compiles_for_aarch64():
     assert not failed, failed
     fused = FUSED.findall(results[CSRC / ASSEMBLED].stdout)
     assert not fused, f"{ASSEMBLED} on aarch64 fuses products into sums ({len(fused)} instructions)"
+    attention = results[CSRC / ATTENTION].stdout
+    assert re.search(r"^\s*fmla\s+v\d+\.4s", attention, re.MULTILINE), f"{ATTENTION}: no NEON fused multiply-add"
+    lanes = re.findall(r"^\s*(?:fmadd\s+s\d+|bl\s+fmaf\b)", attention, re.MULTILINE)
+    assert not lanes, f"{ATTENTION}: {len(lanes)} fused multiply-adds a lane at a time"
     paths = instructions_by_path(results[CSRC / ARM].stdout)
     assert paths["dotprod_path"]["sdot"] > 0, f"{ARM}: the dotprod path holds no SDOT (not built?)"
     assert paths["neon_path"]["smull"] + paths["neon_path"]["smull2"] > 0, f"{ARM}: the neon path is not built"
@@ -97,7 +103,8 @@ def test_every_source_compiles_for_aarch64():
 def test_the_arm_paths_build_with_clang(cpu):
     # Apple's compiler is clang, whose arm_neon.h (14 here) declares SDOT only where the build's baseline has the dot
     # product, not in a function of that target as GCC's does: with Apple silicon's baseline the dotprod path
-    # builds, with Armv8.0's only the neon path does, and either way the build must not break.
+    # builds, with Armv8.0's only the neon path does, and either way the build must not break. Nor may attention's
+    # (GCC's own builtins there broke it), whose fused multiply-adds are NEON's here too.
     compiler = shutil.which("clang++")
     if compiler is None:
         pytest.skip("no clang++ here (apt-get install clang; .ci/run installs it)")
@@ -106,10 +113,11 @@ def test_the_arm_paths_build_with_clang(cpu):
     flags = ["--target=aarch64-linux-gnu", *([f"-mcpu={cpu}"] if cpu else []), "-std=c++20", "-O2", "-w",
              *(f"-I{path}" for path in include_paths()), f"-I{sysconfig.get_paths()['include']}"]
     results = {source: subprocess.run([compiler, *flags, "-S", "-o", "-", str(CSRC / source)], capture_output=True,
-                                      text=True, timeout=600) for source in (ARM, ASSEMBLED)}
+                                      text=True, timeout=600) for source in (ARM, ASSEMBLED, ATTENTION)}
     failed = {source: r.stderr[-3000:] for source, r in results.items() if r.returncode}
     assert not failed, failed
     paths = instructions_by_path(results[ARM].stdout)
     assert paths["neon_path"]["smull"] + paths["neon_path"]["smull2"] > 0, f"{ARM}: the neon path is not built"
     assert (paths["dotprod_path"]["sdot"] > 0) == (cpu == "apple-m1"), dict(paths["dotprod_path"])
     assert ("dotprod_path" in results[ASSEMBLED].stdout) == (cpu == "apple-m1"), "dispatch.cpp offers what is not built"
+    assert re.search(r"^\s*fmla\s+v\d+\.4s", results[ATTENTION].stdout, re.MULTILINE), f"{ATTENTION}: no NEON fmla"

@@ -32,7 +32,7 @@ includes=(-I"$work/torch/include" -I"$work/torch/include/torch/csrc/api/include"
 flags=(-std=c++20 -O3 -fopenmp -fPIC -w $(python3 -c "
 import ast
 for node in ast.parse(open('$repo/setup.py').read()).body:
-    if isinstance(node, ast.Assign) and any(getattr(t, 'id', None) == 'BASELINE_FMA_FLAGS' for t in node.targets):
+    if isinstance(node, ast.Assign) and any(getattr(t, 'id', None) == 'NO_CONTRACTION' for t in node.targets):
         print(' '.join(ast.literal_eval(node.value)))"))
 
 # The kernels and the harness

@@ -102,9 +102,8 @@ inline __attribute__((always_inline)) V add_pair(V chain, const ValuePair<V, DOT
     static_assert(!DOT, "VDPBF16PS is x86's");
 #endif
   } else {
-    chain += weights[j + 1] * values.v1;
-    chain += weights[j] * values.v0;
-    return chain;
+    chain = fmadd(splat<V>(weights[j + 1]), values.v1, chain);
+    return fmadd(splat<V>(weights[j]), values.v0, chain);
   }
 }
 
@@ -154,14 +153,19 @@ struct ValuePairs {
   }
 };
 
-// MXCSR's flush-to-zero and denormals-are-zero for a scope: VDPBF16PS flushes its inputs' and its sums'
-// denormals whatever MXCSR says, so the fused multiply-adds that stand for it elsewhere flush them too, and every
-// path's scores get the same bits, also where a product is tiny.
+// Denormals flushed to zero for a scope (x86: MXCSR's flush-to-zero and denormals-are-zero; aarch64: FPCR's FZ,
+// both): VDPBF16PS flushes its inputs' and its sums' denormals whatever MXCSR says, so the fused multiply-adds that
+// stand for it elsewhere flush them too, and every path's scores get the same bits, also where a product is tiny.
 struct FlushDenormals {
-#ifdef VEC_X86
+#if defined(VEC_X86)
   unsigned saved = _mm_getcsr();
   FlushDenormals() { _mm_setcsr(saved | 0x8040); }
   ~FlushDenormals() { _mm_setcsr(saved); }
+#elif defined(__aarch64__)
+  // the registers by name: GCC's __builtin_aarch64_get_fpcr is not clang's (Apple's compiler)
+  uint64_t saved = [] { uint64_t fpcr; asm volatile("mrs %0, fpcr" : "=r"(fpcr)); return fpcr; }();
+  FlushDenormals() { asm volatile("msr fpcr, %0" ::"r"(saved | uint64_t{1} << 24)); }
+  ~FlushDenormals() { asm volatile("msr fpcr, %0" ::"r"(saved)); }
 #endif
 };
 
@@ -229,8 +233,8 @@ inline __attribute__((always_inline)) void score_tile(const Query* queries, cons
           V k0, k1;
           key_pair(block, t, part, k0, k1);
           for (int m = 0; m < T; ++m) {
-            acc[m][part] += queries[m].q[2 * t + 1] * k1;
-            acc[m][part] += queries[m].q[2 * t] * k0;
+            acc[m][part] = fmadd(splat<V>(queries[m].q[2 * t + 1]), k1, acc[m][part]);
+            acc[m][part] = fmadd(splat<V>(queries[m].q[2 * t]), k0, acc[m][part]);
           }
         }
       }

@@ -103,15 +103,10 @@ at::Tensor add_rms_norm(at::Tensor& x, const at::Tensor& delta, const at::Tensor
 }
 
 // One head's head_dim values rotated: pairs (a, b) at 2j, 2j + 1 with f's (cos, sin) of pair j give a c - b s and
-// a s + b c, each product rounded before the sum (no fused multiply-add, also where the default target has one, as
-// on ARM), 8 values a vector where the CPU has AVX2: the same bits either way.
-#if defined(__GNUC__) && !defined(__clang__)
-#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#else
-#define NO_CONTRACT
-#endif
+// a s + b c, each product rounded before the sum (no fused multiply-add: vec.h), 8 values a vector where the CPU
+// has AVX2: the same bits either way.
 #ifdef VEC_X86
-TARGET_AVX2 NO_CONTRACT void rotate_avx2(const float* x, const float* f, float* out, int64_t head_dim) {
+TARGET_AVX2 void rotate_avx2(const float* x, const float* f, float* out, int64_t head_dim) {
   for (int64_t i = 0; i < head_dim; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i), cs = _mm256_loadu_ps(f + i);
     const __m256 cos_products = _mm256_mul_ps(v, _mm256_moveldup_ps(cs));  // a c, b c
@@ -121,7 +116,7 @@ TARGET_AVX2 NO_CONTRACT void rotate_avx2(const float* x, const float* f, float* 
 }
 #endif
 
-NO_CONTRACT void rotate(const float* x, const float* f, float* out, int64_t head_dim) {
+void rotate(const float* x, const float* f, float* out, int64_t head_dim) {
 #ifdef VEC_X86
   static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2 && head_dim % 8 == 0) return rotate_avx2(x, f, out, head_dim);
@@ -132,7 +127,6 @@ NO_CONTRACT void rotate(const float* x, const float* f, float* out, int64_t head
     out[2 * j + 1] = a * s + b * c;
   }
 }
-#undef NO_CONTRACT
 
 // Rows r = 0 .. rows - 1 are positions start + r; keys and values point at position 0 of a layer's cache.
 // qk_norm: null, or [2, head_dim] weights (queries', keys') of a per-head RMS norm before the rotation (Qwen3).
@@ -239,7 +233,7 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& freqs, at::Tensor
 // scalar tanh and exp per value: those took a third of a Gemma 3 prefill.
 template <bool GELU, typename F>
 inline __attribute__((always_inline)) F gated_lanes(F g, F up) {
-  const F s = GELU ? g * (1.5957691216057308f + 0.07135481627159893f * (g * g)) : g;
+  const F s = GELU ? g * fmadd(splat<F>(0.07135481627159893f), g * g, splat<F>(1.5957691216057308f)) : g;
   return g * sigmoid(s) * up;
 }
 

@@ -1,20 +1,25 @@
 // What fused.cpp's and attention.cpp's vector loops use: 16-lane vectors in GCC's vector extensions, their
-// loads, a sum, an exp and a sigmoid over them, and the instruction sets they are compiled for; and the checks and
-// result tensors both files' operations share.
+// loads, a sum, a fused multiply-add, an exp and a sigmoid over them, and the instruction sets they are compiled
+// for; and the checks and result tensors both files' operations share.
 //
 // Built without -march (the wheel must run on any x86-64), a loop is compiled once per path below and chosen at
 // run time (attention.cpp's attend_path). The vectors spell out 16 lanes, so the lanes and every reduction's order
-// are the same on each path; both vector paths contract a * b + c into one fused multiply-add (AVX2 with FMA,
-// AVX-512), so they give the same bits. Only the baseline (x86-64 without AVX2, or another architecture's
-// default target) may round differently: it fuses nothing (x86-64's baseline has no fused multiply-add, and
-// setup.py builds other architectures with -ffp-contract=off), each product rounded on its own.
+// are the same on each path, and setup.py builds with -ffp-contract=off on every architecture, so that the
+// compiler fuses no product into a sum by itself: the fused multiply-adds are fmadd's, written out, and each path
+// makes exactly those (x86's vector paths and aarch64 in one instruction, x86's baseline by libm's fmaf). Every
+// path, on every architecture, gives the same bits.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#ifdef __aarch64__
+#include <arm_neon.h>
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define VEC_X86 1
@@ -72,6 +77,8 @@ HALVES_OPERATOR(>)
 HALVES_OPERATOR(>=)
 #undef HALVES_OPERATOR
 
+template <typename H>
+inline __attribute__((always_inline)) Halves<H> operator-(Halves<H> a) { return {-a.lo, -a.hi}; }
 template <typename H>
 inline __attribute__((always_inline)) Halves<H>& operator+=(Halves<H>& a, Halves<H> b) {
   return a = a + b;
@@ -137,6 +144,32 @@ inline __attribute__((always_inline)) void store_vec(void* p, V v) { Io<V>::stor
 template <typename To, typename From>
 inline __attribute__((always_inline)) To bit_cast(From v) { return Io<To>::cast(v); }
 
+// a * b + c, rounded once, lane by lane: the loops' only fused multiply-adds (see the top). x86's builtins, not
+// the intrinsics: a lambda is compiled for the default target whatever encloses it, and an intrinsic may not be
+// inlined there; the builtin expands where the lambda is inlined, in a function of the path's target.
+template <typename F>
+inline __attribute__((always_inline)) F fmadd(F a, F b, F c) {
+#if defined(__aarch64__)
+  if constexpr (sizeof(F) == 16) return (F)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+#elif defined(VEC_X86)
+  if constexpr (sizeof(F) == 64) return __builtin_ia32_vfmaddps512_mask(a, b, c, (unsigned short)-1, 4);
+  if constexpr (sizeof(F) == 32) return __builtin_ia32_vfmaddps256(a, b, c);
+#endif
+  // x86-64's baseline, which has no such instruction: libm's, a lane at a time
+  F out;
+  for (size_t i = 0; i < sizeof(F) / sizeof(float); ++i) out[i] = std::fma(a[i], b[i], c[i]);
+  return out;
+}
+template <typename H>
+inline __attribute__((always_inline)) Halves<H> fmadd(Halves<H> a, Halves<H> b, Halves<H> c) {
+  return {fmadd(a.lo, b.lo, c.lo), fmadd(a.hi, b.hi, c.hi)};
+}
+// a in every lane, its bits kept. Written -(-a - 0): GCC 12 makes that one broadcast, where from a - 0 or from
+// braces {a, a, ..} it built the vector a lane at a time (attention's AVX2 and AVX-512F loops 4-16x slower), and
+// 0 + a would turn -0 into +0.
+template <typename F>
+inline __attribute__((always_inline)) F splat(float a) { return -(-a - F{}); }
+
 inline float to_float(float v) { return v; }
 inline float to_float(BFloat16 v) { return static_cast<float>(v); }
 
@@ -162,13 +195,13 @@ inline __attribute__((always_inline)) F exp_nonpositive(F x) {
   auto whole = convert_like(t, typename Lanes<F>::Int{});  // toward zero
   whole += convert_like(whole, F{}) > t;  // -1 where that rounded up: floor
   const F f = t - convert_like(whole, F{});
-  F p = F{} + 2.1683431e-4f;
-  p = p * f + 1.2437946e-3f;
-  p = p * f + 9.6799853e-3f;
-  p = p * f + 5.5482150e-2f;
-  p = p * f + 2.4023031e-1f;
-  p = p * f + 6.9314691e-1f;
-  p = p * f + 1.0f;
+  F p = splat<F>(2.1683431e-4f);
+  p = fmadd(p, f, splat<F>(1.2437946e-3f));
+  p = fmadd(p, f, splat<F>(9.6799853e-3f));
+  p = fmadd(p, f, splat<F>(5.5482150e-2f));
+  p = fmadd(p, f, splat<F>(2.4023031e-1f));
+  p = fmadd(p, f, splat<F>(6.9314691e-1f));
+  p = fmadd(p, f, splat<F>(1.0f));
   return p * bit_cast<F>((whole + 127) << 23);
 }
 
