@@ -1,6 +1,7 @@
-"""serve.sh's requests to a tornchat server under qemu (python3's standard library only): one answer per request
-(greedy: plain, again from its KV slot, and streamed; seeded: twice), a structured output, a forced tool call and a
-bad field's 400. Prints the replies' texts as JSON (the same on every CPU); exits 1 where a check fails.
+"""serve.sh's requests to a tornchat server, under qemu or not (python3's standard library only): one answer per
+request (greedy: plain, again from its KV slot, and streamed; seeded: twice), two more greedy questions, a structured
+output, a forced tool call and a bad field's 400. Prints the replies' texts as JSON (the same on every CPU); exits 1
+where a check fails.
 
     python3 ask.py PORT
 """
@@ -44,6 +45,8 @@ again = text(post({"messages": COOK, "temperature": 0, "max_tokens": 24}))
 streamed = post({"messages": COOK, "temperature": 0, "max_tokens": 24, "stream": True}, stream=True)
 if not greedy or again != greedy or streamed != greedy:
     failures.append(f"greedy {greedy!r}, again {again!r}, streamed {streamed!r}")
+plain = [text(post({"messages": [{"role": "user", "content": question}], "temperature": 0, "max_tokens": 24}))
+         for question in ("What is the capital of France?", "Explain recursion in one sentence.")]
 haiku = {"messages": [{"role": "user", "content": "Write a haiku"}], "temperature": 0.8, "seed": 7, "max_tokens": 16}
 seeded = [text(post(haiku)) for _ in range(2)]
 if seeded[0] != seeded[1]:
@@ -70,7 +73,7 @@ except urllib.error.HTTPError as error:
     if error.code != 400 or "temperature" not in error.read().decode():
         failures.append(f"temperature 'hot': {error.code}")
 
-print(json.dumps({"greedy": greedy, "seeded": seeded[0], "structured": person, "tool_calls": calls}, indent=1))
+print(json.dumps({"greedy": greedy, "plain": plain, "seeded": seeded[0], "structured": person, "tool_calls": calls}, indent=1))
 for failure in failures:
     print("FAILED:", failure, file=sys.stderr)
 sys.exit(1 if failures else 0)

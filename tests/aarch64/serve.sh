@@ -3,8 +3,10 @@
 # them there (PyPI's aarch64 wheels: torch's CUDA build and its libraries, 5 GB, never called), tornchat's two
 # extensions cross-built as setup.py describes them, the server started under qemu-user on the embedded model, and
 # ask.py's requests sent to it: on an emulated CPU with the dot product (Neoverse N1: the dotprod path) and one
-# without (Cortex-A72: neon), whose replies must be the same text. Not part of the test suite (the downloads; a
-# few minutes a CPU). Needs root's apt-get (the arm64 architecture added), g++-aarch64-linux-gnu and qemu-user.
+# without (Cortex-A72: neon), whose replies must be the same text, and the text this x86 machine's server gives on
+# its own kernels (X86_PYTHON: a Python with this checkout's extensions built, default the checkout's .venv).
+# Not part of the test suite (the downloads; a few minutes a CPU). Needs root's apt-get (the arm64 architecture
+# added), g++-aarch64-linux-gnu and qemu-user.
 #
 #   bash tests/aarch64/serve.sh [work folder, default ~/.cache/tornchat-aarch64/serve]
 set -euo pipefail
@@ -85,19 +87,27 @@ while IFS='|' read -r head compile_flags link_flags; do
   aarch64-linux-gnu-g++ -shared -o "tree/$target" "${objects[@]}" $link_flags -Wl,--allow-shlib-undefined
 done < extensions.txt
 
-# The server on each CPU, ask.py's requests, and the two CPUs' replies compared
+# The server on each CPU, ask.py's requests, and the replies compared: the two ARM CPUs' and this machine's
 status=0
-for cpu in neoverse-n1:dotprod cortex-a72:neon; do
-  port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-  echo "== qemu -cpu ${cpu%%:*}, port $port"
-  qemu_machine "$root" "${cpu%%:*}"
-  CPU="${cpu%%:*}" python_arm -m tornchat serve --port "$port" > "server-${cpu%%:*}.log" 2>&1 &
+free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+# ask NAME COMMAND..: the server COMMAND starts (its port appended) asked ask.py's requests, into replies-NAME.json
+ask() {
+  local name="$1" port server; shift
+  port="$(free_port)"
+  echo "== $name, port $port"
+  "$@" --port "$port" > "server-$name.log" 2>&1 &
   server=$!
-  python3 "$here/ask.py" "$port" > "replies-${cpu%%:*}.json" || status=1
+  python3 "$here/ask.py" "$port" > "replies-$name.json" || status=1
   kill "$server"; wait "$server" || true
-  grep -m1 "engine ready" "server-${cpu%%:*}.log"
+  grep -m1 "engine ready" "server-$name.log"
+}
+for cpu in neoverse-n1:dotprod cortex-a72:neon; do
+  qemu_machine "$root" "${cpu%%:*}"
+  CPU="${cpu%%:*}" ask "${cpu%%:*}" python_arm -m tornchat serve
   grep -q "(${cpu#*:} kernels)" "server-${cpu%%:*}.log" || { echo "expected the ${cpu#*:} kernels" >&2; status=1; }
 done
-cmp replies-neoverse-n1.json replies-cortex-a72.json && echo "both CPUs: the same replies" || status=1
+ask x86 env PYTHONPATH="$repo" TORNCHAT_CACHE="$work/cache-x86" "${X86_PYTHON:-$repo/.venv/bin/python}" -m tornchat serve
+cmp replies-neoverse-n1.json replies-cortex-a72.json && echo "both ARM CPUs: the same replies" || status=1
+cmp replies-neoverse-n1.json replies-x86.json && echo "ARM and x86: the same replies" || status=1
 cat replies-neoverse-n1.json
 exit $status
