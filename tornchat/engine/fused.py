@@ -133,8 +133,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
     layer's keys and values in the forward's layout (``forward_layout``). isa: the block kernels' path beside
     which it runs (``blocks.isas()``; "" for ``blocks.isa()``): "avx2" and "avxvnni" run its AVX2 loops, "generic"
     its baseline loops, the others the best this CPU has (with AVX-512 BF16, VDPBF16PS for a bf16 cache's scores;
-    "avx512f", where the CPU has AVX-512, the AVX-512 loops without it). Every path but the baseline gives the
-    same bits. With a bf16 cache, q is rounded to bf16 first."""
+    "avx512f", where the CPU has AVX-512, the AVX-512 loops without it). Every path gives the same bits, on every
+    architecture (csrc/vec.h). With a bf16 cache, q is rounded to bf16 first."""
     return _native.attend(q, keys, values, start, scale, window, isa)
 
 
