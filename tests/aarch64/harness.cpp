@@ -2,9 +2,13 @@
 // the paths the (emulated) CPU runs and against the generic path's, and attention
 // over bf16 and fp32 caches, with and without a sliding window, on the machine's threads. Built and run under
 // qemu-user by run.sh (no ARM machine is at hand); prints one line per check and exits 1 if any row differs.
+// With a path argument it also writes attention's outputs over exact inputs there (exact_attention), for
+// same_as_x86.py to compare with x86's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -44,9 +48,35 @@ int rows_apart(const at::Tensor& together, const std::function<at::Tensor(int64_
   return differ;
 }
 
+// n values in [-1, 1) on a grid of 2^-11, from a multiplicative hash of their index: the same on any machine (no
+// generator, no libm). same_as_x86.py makes them alike.
+at::Tensor exact_values(int64_t n, int64_t seed) {
+  const at::Tensor i = at::arange(n, at::kLong) + seed * 1000003;
+  return at::floor_divide((i * 2654435761LL).remainder(4294967296LL), 1048576).to(at::kFloat) / 2048.0 - 1.0;
+}
+
+// Attention over exact_values, the cases same_as_x86.py lists in the same order: bf16 and fp32 caches with and
+// without a window, and one whose scores' products are denormal (queries and keys of 2^-66), which every path
+// flushes to zero. Returns their outputs, one after another.
+at::Tensor exact_attention() {
+  const int64_t heads = 8, kv_heads = 2, d = 64, capacity = 1216, start = 1100, count = 20;
+  std::vector<at::Tensor> outs;
+  int64_t seed = 0;
+  for (const auto dtype : {at::kBFloat16, at::kFloat})
+    for (const int64_t window : {int64_t{0}, int64_t{500}, int64_t{-1}}) {  // -1: denormal products
+      const double tiny = window < 0 ? std::ldexp(1.0, -66) : 1.0;
+      const at::Tensor keys = (exact_values(capacity * kv_heads * d, ++seed) * 4 * tiny).view({capacity, kv_heads, d}).to(dtype);
+      const at::Tensor values = (exact_values(capacity * kv_heads * d, ++seed) * 4).view({capacity, kv_heads, d}).to(dtype);
+      const at::Tensor q = (exact_values(count * heads * d, ++seed) * 4 * tiny).view({count, heads, d});
+      outs.push_back(tornchat::attend(q, keys, values, start, window < 0 ? std::ldexp(1.0, 120) : 0.125,
+                                      std::max<int64_t>(window, 0), "").flatten());
+    }
+  return at::cat(outs);
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   at::set_num_threads(2);
   at::manual_seed(0);
   int failures = 0;
@@ -99,5 +129,13 @@ int main() {
                   (long long)count);
       failures += differ;
     }
+  if (argc > 1) {
+    const at::Tensor out = exact_attention().contiguous();
+    std::FILE* file = std::fopen(argv[1], "wb");
+    const bool written = file && std::fwrite(out.data_ptr<float>(), 4, out.numel(), file) == size_t(out.numel());
+    if (file) std::fclose(file);
+    std::printf("attention over exact inputs: %lld values written to %s\n", (long long)out.numel(), argv[1]);
+    failures += !written;
+  }
   return failures ? 1 : 0;
 }

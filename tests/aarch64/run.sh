@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The kernels on aarch64, run: harness.cpp (beside this file) built with setup.py's aarch64 flags against PyPI's
 # aarch64 torch and run under qemu-user, since no ARM machine is at hand, on a CPU with the dot product (the dotprod
-# and neon paths against the generic one) and one without (neon and generic). Not part of the test
+# and neon paths against the generic one) and one without (neon and generic), and attention's outputs there
+# against x86's (same_as_x86.py, run natively with X86_PYTHON, default the checkout's .venv). Not part of the test
 # suite: it downloads torch's aarch64 wheel (about 430 MB, its CUDA build: the CUDA runtime it links is stubbed,
 # never called). Needs Debian's g++-aarch64-linux-gnu and qemu-user (apt-get install ...), and python3 with pip.
 #
@@ -78,8 +79,11 @@ status=0
 for cpu in neoverse-n1:"dotprod neon generic" cortex-a72:"neon generic"; do
   echo "== qemu -cpu ${cpu%%:*}"
   qemu_machine "$root" "${cpu%%:*}"
-  out="$(qemu-aarch64 -cpu "${cpu%%:*}" -L "$root" -E LD_LIBRARY_PATH="$lib:$work/stubs" build/harness)" || status=1
+  out="$(qemu-aarch64 -cpu "${cpu%%:*}" -L "$root" -E LD_LIBRARY_PATH="$lib:$work/stubs" build/harness \
+    "attention-${cpu%%:*}.bin")" || status=1
   echo "$out"
   grep -qx "block_mm paths: ${cpu#*:}" <<<"$out" || { echo "expected the paths ${cpu#*:}" >&2; status=1; }
+  # and x86's attention (this checkout's build, natively) the same bits
+  PYTHONPATH="$repo" "${X86_PYTHON:-$repo/.venv/bin/python}" "$here/same_as_x86.py" "attention-${cpu%%:*}.bin" || status=1
 done
 exit $status
