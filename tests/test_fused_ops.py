@@ -129,7 +129,7 @@ def test_gated_activations(dtype, gate):
 
 @pytest.mark.parametrize("gate", ["silu_mul", "gelu_mul"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gated_activations_give_the_same_bits_on_every_vector_path_and_alone(dtype, gate):
+def test_gated_activations_give_the_same_bits_on_every_path_and_alone(dtype, gate):
     """The gate runs in 16-lane vectors on the attention's path: AVX2, AVX-512 and the baseline (x86-64 without
     AVX2, aarch64) make the same operations and the same fused multiply-adds (vec.h), so the same bits; a row's
     bits do not depend on the rows beside it; a width that is no multiple of 16 is padded, not computed
@@ -224,7 +224,7 @@ def attention_paths() -> list[str]:
 
 @pytest.mark.parametrize("kv_dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 64), (16, 8, 128), (4, 1, 256), (6, 2, 80)])
-def test_attention_gives_the_same_bits_on_every_vector_path(kv_dtype, heads, kv_heads, head_dim):
+def test_attention_gives_the_same_bits_on_every_path(kv_dtype, heads, kv_heads, head_dim):
     """The AVX2 loops (16 lanes as two vectors of 8, their own tile) and the baseline's (x86-64 without AVX2,
     aarch64: 16 lanes as vectors of 4, a tile of one query) make the fused multiply-adds of the AVX-512 ones (vec.h's
     fmadd) in the same order, and VDPBF16PS the same two per pair of dims, so an AVX2-only machine, or an ARM one,

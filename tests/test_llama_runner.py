@@ -257,7 +257,7 @@ def test_slots_go_on_from_a_windowed_cache_only_where_it_holds_what_the_next_row
 
 
 @pytest.mark.parametrize("model_name", ["tiny_model", "tiny_qwen3_moe", "tiny_gemma3"])
-def test_every_vector_path_gives_the_same_logits(model_name, request):
+def test_every_path_gives_the_same_logits(model_name, request):
     """One answer on every CPU: the block kernels sum integers, and attention's and the gate's loops make the same
     fused multiply-adds in the same order on every path (vec.h), so an AVX2-only machine, or one on the baseline
     ("generic", as an ARM one), scores a text as an AVX-512 one does."""
