@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The kernels on aarch64, run: harness.cpp (beside this file) built with setup.py's aarch64 flags against PyPI's
+# The kernels on aarch64, run: harness.cpp (beside this file) built with setup.py's flags against PyPI's
 # aarch64 torch and run under qemu-user, since no ARM machine is at hand, on a CPU with the dot product (the dotprod
 # and neon paths against the generic one) and one without (neon and generic), and attention's outputs there
 # against x86's (same_as_x86.py, run natively with X86_PYTHON, default the checkout's .venv). Not part of the test
