@@ -1,5 +1,8 @@
 """bench/common.py: what every benchmark script shares."""
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 from bench import common
 from tornchat.engine import cpu
@@ -42,3 +45,18 @@ def test_long_messages_reach_their_length_and_share_no_notes(tokenizer):
     assert workloads.prompt_tokens(first, tokenizer) >= 1000
     # Each repeat its own notes: no server answers one from another's cache past the opening words.
     assert first[1]["content"].splitlines()[1] != second[1]["content"].splitlines()[1]
+
+
+def test_verify_bench_prints_each_size_and_the_engines_measurement():
+    """bench/verify.py, the issue's figure for a verify's cost in steps, end to end on the embedded model (a
+    few calls: its timings are not asserted, only that every size and the engine's 8 costs are reported)."""
+    run = subprocess.run([sys.executable, "-m", "bench.verify", "--rows", "2,3", "--pairs", "2", "--block", "1",
+                          "--context", "8"], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split("|")[1].strip() for line in run.stdout.splitlines() if line.startswith("| ") and "**" in line]
+    assert rows == ["2", "3"]
+    engine = run.stdout.split("a verify of 1..8 rows in steps: ")[1].splitlines()[0].split(", ")
+    assert len(engine) == 8 and float(engine[0]) == 1.0 and all(float(c) >= 1.0 for c in engine)
+    written = json.loads(Path(run.stdout.split("wrote ")[1].strip()).read_text())
+    assert [r["rows"] for r in written["rows"]] == [2, 3] and written["cpu"] == cpu.describe()
