@@ -14,6 +14,7 @@ drafts by, in its start-up log as "a verify of 1..8 rows costs"). Writes bench/r
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,7 @@ from bench.common import RESULTS, stamp, write_results
 from tornchat import checkpoint
 from tornchat.engine import llama, speculate
 from tornchat.engine.cpu import describe
+from tornchat.weights import gguf_file
 
 
 def block_seconds(call, runner, cache, start: int, calls: int) -> float:
@@ -49,7 +51,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     path = args.checkpoint_path or str(checkpoint.default_gguf_path())
-    runner = llama.LlamaRunner(*checkpoint.load(path, model_impl="lean").lean, isa=args.isa)
+    # the file's blocks laid out for the path that reads them (the panels are avx512vnni's alone)
+    runner = llama.LlamaRunner(*gguf_file.load(Path(path), isa=args.isa or ""), isa=args.isa)
     print(f"CPU: {describe()}; {args.threads} threads\nmodel: {path}; {runner.label()}")
     prompt = [100 + (i * 7919) % 20000 for i in range(args.context)]
     cache = runner.new_cache()
