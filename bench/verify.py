@@ -59,12 +59,12 @@ def main() -> None:
     runner.forward(prompt, cache)
     start = len(prompt)
 
+    def step():
+        runner.forward([7], cache, decode=True)
+
     rows_measured = []
     print("\n| rows | verify / step, median (quartiles; range) | step ms | verify ms |\n|---|---|---|---|")
     for rows in [int(r) for r in args.rows.split(",")]:
-        def step():
-            runner.forward([7], cache, decode=True)
-
         def verify():
             runner.verify([7] * rows, cache)
         block_seconds(step, runner, cache, start, 2)
