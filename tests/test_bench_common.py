@@ -64,3 +64,31 @@ def test_verify_bench_prints_each_size_and_the_engines_measurement():
     written = json.loads(results.read_text())
     results.unlink()
     assert [r["rows"] for r in written["rows"]] == [2, 3] and written["cpu"] == cpu.describe()
+
+
+def test_step_share_splits_blocks_by_memory_phase_only_where_the_bandwidth_spans_a_fifth():
+    from bench.step_share import phases
+
+    def block(gbs, share):
+        return {"bandwidth": gbs * 1e9, "share": share}
+
+    steady = [block(45.0, 0.95), block(50.0, 0.93)]
+    assert phases(steady) == {"one phase": steady}
+    split = phases([block(45.0, 0.95), block(80.0, 0.78), block(50.0, 0.93), block(75.0, 0.80)])
+    assert [b["share"] for b in split["slow phase"]] == [0.95, 0.93]
+    assert [b["share"] for b in split["fast phase"]] == [0.78, 0.80]
+
+
+def test_step_share_bench_reports_every_block_and_a_phase():
+    """bench/step_share.py end to end on the embedded model (two short blocks: the shares are not asserted,
+    only that each block and a phase's median are reported and written)."""
+    run = subprocess.run([sys.executable, "-m", "bench.step_share", "--blocks", "2", "--steps", "2", "--context", "8"],
+                         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, run.stderr
+    rows = [line.split("|")[1].strip() for line in run.stdout.splitlines() if line.startswith("| ") and "%" in line]
+    assert rows == ["1", "2"]
+    assert "phase (" in run.stdout and "of the bandwidth" in run.stdout
+    results = Path(run.stdout.split("wrote ")[1].strip())
+    written = json.loads(results.read_text())
+    results.unlink()
+    assert len(written["blocks"]) == 2 and 0 < written["step_bytes"] and written["phases"]
