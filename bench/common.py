@@ -1,7 +1,8 @@
-"""What the benchmarks share: a free port, percentiles, decode rates, the fastest of several calls and the one
-results writer."""
+"""What the benchmarks share: a free port, percentiles, decode rates, the fastest of several calls, a model
+loaded in process with a prompt in its cache and the median of calls from it, and the one results writer."""
 import json
 import socket
+import statistics
 import time
 from datetime import datetime
 from pathlib import Path
@@ -49,6 +50,34 @@ def fastest_ms(fn, calls: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
+
+
+def runner_after_prompt(path: str | None, isa: str | None, context: int):
+    """A GGUF (default: the embedded model) in process, its blocks laid out for instruction-set path ``isa``
+    (default: this CPU's best; the panels are avx512vnni's alone), and a cache holding a fixed prompt of
+    ``context`` tokens: (path, runner, cache, prompt)."""
+    from tornchat import checkpoint
+    from tornchat.engine import llama
+    from tornchat.weights import gguf_file
+
+    path = path or str(checkpoint.default_gguf_path())
+    runner = llama.LlamaRunner(*gguf_file.load(Path(path), isa=isa or ""), isa=isa)
+    prompt = [100 + (i * 7919) % 20000 for i in range(context)]
+    cache = runner.new_cache()
+    runner.forward(prompt, cache)
+    return path, runner, cache, prompt
+
+
+def block_seconds(call, runner, cache, start: int, calls: int) -> float:
+    """Median seconds of ``calls`` calls, each starting from ``start`` positions (each call's rows dropped from
+    ``cache`` after it)."""
+    times = []
+    for _ in range(calls):
+        began = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - began)
+        runner.truncate(cache, start)
+    return statistics.median(times)
 
 
 def stamp() -> str:

@@ -17,18 +17,13 @@ the shares, each against its own block's bandwidth, compare across processes whe
 """
 import argparse
 import statistics
-from pathlib import Path
 
 import torch
 
 from bench.blocks import bandwidth
-from bench.common import RESULTS, stamp, write_results
+from bench.common import RESULTS, block_seconds, runner_after_prompt, stamp, write_results
 from bench.decode_speed import bytes_per_token
-from bench.verify import block_seconds
-from tornchat import checkpoint
-from tornchat.engine import llama
 from tornchat.engine.cpu import describe
-from tornchat.weights import gguf_file
 
 
 def phases(blocks: list[dict]) -> dict[str, list[dict]]:
@@ -53,13 +48,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    path = args.checkpoint_path or str(checkpoint.default_gguf_path())
-    runner = llama.LlamaRunner(*gguf_file.load(Path(path), isa=args.isa or ""), isa=args.isa)
+    path, runner, cache, _ = runner_after_prompt(args.checkpoint_path, args.isa, args.context)
     step_bytes = bytes_per_token(runner, args.context)
     print(f"CPU: {describe()}; {args.threads} threads\nmodel: {path}; {runner.label()}; "
           f"a step reads {step_bytes / 1e9:.3f} GB")
-    cache = runner.new_cache()
-    runner.forward([100 + (i * 7919) % 20000 for i in range(args.context)], cache)
 
     def step_seconds() -> float:
         """The median of --steps one-row steps, each from --context positions."""

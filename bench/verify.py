@@ -13,27 +13,12 @@ drafts by, in its start-up log as "a verify of 1..8 rows costs"). Writes bench/r
 """
 import argparse
 import statistics
-import time
-from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, stamp, write_results
-from tornchat import checkpoint
-from tornchat.engine import llama, speculate
+from bench.common import RESULTS, block_seconds, runner_after_prompt, stamp, write_results
+from tornchat.engine import speculate
 from tornchat.engine.cpu import describe
-from tornchat.weights import gguf_file
-
-
-def block_seconds(call, runner, cache, start: int, calls: int) -> float:
-    """Median seconds of ``calls`` calls, each starting from ``start`` positions."""
-    times = []
-    for _ in range(calls):
-        began = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - began)
-        runner.truncate(cache, start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -50,13 +35,8 @@ def main() -> None:
         parser.error(f"--context must be at least {speculate.MAX_DRAFT + 1}: the engine's measurement verifies its tokens")
     torch.set_num_threads(args.threads)
 
-    path = args.checkpoint_path or str(checkpoint.default_gguf_path())
-    # the file's blocks laid out for the path that reads them (the panels are avx512vnni's alone)
-    runner = llama.LlamaRunner(*gguf_file.load(Path(path), isa=args.isa or ""), isa=args.isa)
+    path, runner, cache, prompt = runner_after_prompt(args.checkpoint_path, args.isa, args.context)
     print(f"CPU: {describe()}; {args.threads} threads\nmodel: {path}; {runner.label()}")
-    prompt = [100 + (i * 7919) % 20000 for i in range(args.context)]
-    cache = runner.new_cache()
-    runner.forward(prompt, cache)
     start = len(prompt)
 
     def step():
