@@ -75,7 +75,18 @@ def test_a_step_shared_by_other_generations_takes_shorter_drafts():
     assert costs.best_draft(0.5, 7) == 2 and costs.best_draft(0.5, 7, generations=1) == 2  # 1.75 / 1.2
     assert costs.best_draft(0.5, 7, generations=4) == 1  # 1.5 / 1.31 beats 1.75 / 1.62
     assert costs.best_draft(0.3, 7) == 1 and costs.best_draft(0.3, 7, generations=4) == 0  # 1.3 / 1.31: no gain
-    assert costs.best_draft(0.9, 7, generations=20) == costs.best_draft(0.9, 7, generations=8)  # past the table
+    # past the table each further row costs what the last one did: 20 rows 2.9 steps, a share of 0.145
+    assert costs.rows(20) == pytest.approx(2.9) and costs.best_draft(0.9, 7, generations=20) == 2  # 2.71 / 2.38
+
+
+def test_a_shared_step_weighs_the_rows_a_draft_adds_to_it():
+    """Where a lone step's extra rows come nearly free (the weights' reading bounds it) and later rows do not
+    (the arithmetic does), a draft in a step of 4 generations adds its rows past the fourth: 0.3 a row here,
+    against a share of 1.1 / 4, so none pays; alone, three drafts cost 0.1."""
+    costs = Costs((1.0, 1.0, 1.05, 1.1, 1.4, 1.7, 2.0, 2.3))
+    assert costs.best_draft(0.5, 7) == 3  # 1.875 / 1.1
+    assert costs.best_draft(0.5, 7, generations=4) == 0 and costs.best_draft(0.95, 7, generations=4) == 0
+    assert costs.best_draft(0.95, 7, generations=2) == 2  # rows 3 and 4: 0.1 against a share of 0.5
 
 
 def test_misses_shrink_drafts_to_none_and_faded_evidence_tries_again():
@@ -95,10 +106,11 @@ def test_misses_shrink_drafts_to_none_and_faded_evidence_tries_again():
 def test_measured_costs_time_a_few_verify_sizes_and_interpolate_the_rest(monkeypatch):
     """Rows 1, 2, 4 and 8 are timed, taking turns, the others interpolated; each size keeps its fastest time, so
     a neighbour's load on one timing does not make drafts look dear; the rounds stop after two once they have
-    taken the budget. Measured in pieces (``measuring``), a round at a time, the budget counts the rounds alone,
-    not what the caller did between them."""
+    taken the budget, where each size's two fastest timings agree (steady), else they go on. Measured in pieces
+    (``measuring``), a round at a time, the budget counts the rounds alone, not what the caller did between
+    them."""
     clock, timed = [0.0], []
-    slowed = {2: 2}  # rows -> which of their timings a neighbour slows (0: the first)
+    slowed = {(2, 2): 100}  # (rows, which of their timings: 0 the first) -> units a neighbour adds to it
 
     class Runner:  # a verify of r rows takes r + 1 units of a fake clock
         def new_cache(self):
@@ -112,18 +124,24 @@ def test_measured_costs_time_a_few_verify_sizes_and_interpolate_the_rest(monkeyp
 
         def verify(self, ids, cache):
             timed.append(len(ids))
-            clock[0] += len(ids) + 1 + (100 if slowed.get(len(ids)) == timed.count(len(ids)) - 1 else 0)
+            clock[0] += len(ids) + 1 + slowed.get((len(ids), timed.count(len(ids)) - 1), 0)
             return torch.zeros(len(ids), 3)  # logits, read back as the loop reads them
 
     monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
     costs = speculate.measure(Runner(), list(range(20)), repeats=5, budget_s=1e9)
     assert timed == [1, 2, 4, 8] * 5  # the sizes in turn, five rounds
     assert costs.relative == (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5)  # the slowed 2-row timing is not the fastest
+    assert costs.steady
     timed.clear()
-    slowed = {4: 0}  # a first call's cold start: the fastest of two rounds is the second's
-    costs = speculate.measure(Runner(), list(range(20)), repeats=5, budget_s=10)  # a round takes 19 units or more
-    assert timed == [1, 2, 4, 8] * 2  # two rounds, though the first alone spent the budget
-    assert costs.relative == (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5)
+    slowed = {(8, 0): 100}  # a first call's cold start: the fastest of the rounds is a later one's
+    costs = speculate.measure(Runner(), list(range(20)), repeats=5, budget_s=15)  # a round takes 19 units or more
+    assert timed == [1, 2, 4, 8] * 3  # the first round alone spent the budget; its 8 rows and the second's disagree
+    assert costs.relative == (1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5) and costs.steady
+    timed.clear()
+    slowed = {(1, n): 5 * (n + 1) for n in range(speculate.MAX_ROUNDS)}  # one row, slowed more at every round
+    costs = speculate.measure(Runner(), list(range(20)), repeats=5, budget_s=10)
+    assert timed == [1, 2, 4, 8] * 4  # 24 + 29 + 34 + 39 units: past UNSTEADY_BUDGET times the budget
+    assert not costs.steady and costs.relative[:6] == (1.0,) * 6  # 2 rows in 3 units, one in 7: drafts look free
     timed.clear()
     slowed, pieces = {}, speculate.measuring(Runner(), list(range(20)), repeats=5, budget_s=60)
     for round_ in range(3):
@@ -276,14 +294,16 @@ def test_remembered_costs_are_measured_again_for_another_build_of_the_kernels(mo
 
 def test_a_first_start_under_auto_measures_while_idle_and_remembers(tmp_path, monkeypatch):
     """--speculate auto at a first start: no costs yet and a measurement for the engine's idle moments, whose
-    result is remembered, so the next start recalls it; --speculate lookup measures before the engine starts."""
+    result is remembered, so the next start recalls it; --speculate lookup measures before the engine starts. A
+    measurement whose timings never agreed (a busy machine) turns no drafts on and is not remembered: the next
+    start measures again."""
     from tornchat import build
 
     monkeypatch.setenv("TORNCHAT_CACHE", str(tmp_path))
-    clock = [0.0]
+    clock, busy = [0.0], [0.0]
     monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
 
-    class Runner:  # a verify of r rows takes 20 + r units of a fake clock: drafts pay
+    class Runner:  # a verify of r rows takes 20 + r units of a fake clock (drafts pay), one row more while busy
         def new_cache(self):
             return type("Cache", (), {})()
 
@@ -294,8 +314,18 @@ def test_a_first_start_under_auto_measures_while_idle_and_remembers(tmp_path, mo
             pass
 
         def verify(self, ids, cache):
-            clock[0] += (20 + len(ids)) / 1e4
+            if len(ids) == 1 and busy[0]:
+                busy[0] += 5  # slower at every round
+            clock[0] += (20 + len(ids) + (busy[0] if len(ids) == 1 else 0)) / 1e4
             return torch.zeros(len(ids), 3)
+
+    busy[0] = 1.0
+    _, measuring = build.speculation(Runner(), "auto", list(range(20)), "model-a")
+    with pytest.raises(StopIteration) as done:
+        while True:
+            next(measuring)
+    assert done.value.value is None  # one row's 0.0027 units and more against 8 rows' 0.0028: drafts looked free
+    busy[0] = 0.0
 
     costs, measuring = build.speculation(Runner(), "auto", list(range(20)), "model-a")
     assert costs is None and measuring is not None

@@ -69,7 +69,7 @@ def make_runner(loaded: checkpoint.Loaded, config: Config) -> Runner:
 def speculation(runner: Runner, mode: str, ids: list[int], checkpoint_id: str) -> tuple[speculate.Costs | None, Generator | None]:
     """The verify costs drafts are sized by, or None for one token per forward: with --speculate none, or
     auto where no draft pays on this machine (a runner that verifies one row at a time, say). Measured at
-    the first start, then remembered beside the weights' format.
+    the first start, then remembered beside the weights' format where the timings were steady.
 
     Answers (costs, None) where they are known now: remembered, or measured before the engine starts for
     --speculate lookup, which drafts from the first request. For auto at a first start it answers (None, a
@@ -80,14 +80,20 @@ def speculation(runner: Runner, mode: str, ids: list[int], checkpoint_id: str) -
         return None, None
     cache_file = checkpoint.cache_root() / "measurements.json"
     label = runner.label() if hasattr(runner, "label") else type(runner).__name__
-    key = measurements.cache_key(f"speculate: {label}", checkpoint_id)
+    # "steady": entries from before measurements were checked for a busy machine are measured again
+    key = measurements.cache_key(f"speculate, steady: {label}", checkpoint_id)
     known = measurements.recall(cache_file, key)
     if known:
         return _settled(speculate.Costs(tuple(known["relative"])), mode, "recalled"), None
 
     def remembered(costs: speculate.Costs, how: str) -> speculate.Costs | None:
-        measurements.remember(cache_file, key, {"relative": list(costs.relative), "for": label})
-        return _settled(costs, mode, how)
+        if costs.steady:
+            measurements.remember(cache_file, key, {"relative": list(costs.relative), "for": label})
+            return _settled(costs, mode, how)
+        # a busy machine's timings: drafts sized by them could cost more than they save (lookup asked for drafts)
+        log.info("a verify's timings never agreed (a busy machine): measured again at the next start%s",
+                 "" if mode == "lookup" else "; drafts off until then")
+        return costs if mode == "lookup" else None
 
     if mode == "lookup":
         return remembered(speculate.measure(runner, ids), "measured now"), None

@@ -35,6 +35,15 @@ DECAY = 0.98  # per token: evidence fades back to the prior, so after a run of m
 # short context (attention, which rows pay one by one, grows with it) and a verify has overheads of its own.
 MIN_GAIN = 1.1
 AUTO_ACCEPTANCE = 0.5  # --speculate auto turns speculation on where a draft pays at this acceptance
+# A measurement is steady where each verify size's two fastest timings agree within STEADY and a larger verify
+# never took less than a smaller one by more than that. A busy machine gives neither: on a 2-core Zen 5, a first
+# start beside other work remembered a verify of 8 rows at 1.0 one-row steps (quiet: 1.63-1.75), and from then
+# on four streams drafted every step, 2,046 tokens for 408 accepted, at 0.76x the tokens/s of no drafts.
+# Until steady the rounds go on, up to MAX_ROUNDS or UNSTEADY_BUDGET times the budget; a measurement that never
+# settles is not remembered, and under --speculate auto turns no drafts on (build.speculation).
+STEADY = 0.1
+MAX_ROUNDS = 20
+UNSTEADY_BUDGET = 10
 # The prompt a verify's costs are measured after (``measure``; build.sample_ids renders it).
 SAMPLE_CHAT = [
     {"role": "user", "content": "Explain in a few sentences why the sky is blue, and why sunsets are red."},
@@ -49,9 +58,11 @@ SAMPLE_CHAT = [
 
 @dataclass(frozen=True)
 class Costs:
-    """relative[r - 1]: seconds of a verify over r rows divided by those of a one-token decode step."""
+    """relative[r - 1]: seconds of a verify over r rows divided by those of a one-token decode step.
+    ``steady``: whether the timings agreed (STEADY); a measurement that did not is not remembered."""
 
     relative: tuple[float, ...]
+    steady: bool = True
 
     def __post_init__(self):
         # A verify of more rows reads the same weights and does more work: never cheaper than fewer rows, nor
@@ -63,17 +74,26 @@ class Costs:
         """The draft length with the most tokens per unit of cost, if that beats a plain step by MIN_GAIN: a
         verify of k drafts yields 1 + a + ... + a^k tokens on average when each is accepted with probability a.
 
-        In a step shared by ``generations`` generations (scheduler.py), a draft's rows cost what they cost in a
-        verify alone, but against this generation's share of the step, about relative[generations - 1] /
-        generations of a lone step: a draft must promise more there."""
-        generations = min(generations, len(self.relative))
-        share = self.relative[generations - 1] / generations
+        In a step shared by ``generations`` generations (scheduler.py), one row each, k drafts add rows
+        generations + 1 .. generations + k to it, at what those rows add to a forward (``rows``), against this
+        generation's share of the step, rows(generations) / generations: a draft must promise more there, the
+        more so where a lone step's extra rows came nearly free (memory-bound) and a shared step's do not."""
+        share = self.rows(generations) / generations
         best, best_rate = 0, MIN_GAIN
         for k in range(1, min(available, len(self.relative) - 1) + 1):
-            rate = sum(acceptance**i for i in range(k + 1)) / (1 + (self.relative[k] - 1) / share)
+            added = self.rows(generations + k) - self.rows(generations)
+            rate = sum(acceptance**i for i in range(k + 1)) / (1 + added / share)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
+
+    def rows(self, count: int) -> float:
+        """One-row steps a forward of ``count`` one-token rows costs: relative[count - 1], past the table its
+        last row's cost again for each further row."""
+        if count <= len(self.relative):
+            return self.relative[count - 1]
+        last = self.relative[-1] - self.relative[-2] if len(self.relative) > 1 else self.relative[-1]
+        return self.relative[-1] + (count - len(self.relative)) * last
 
     def pays(self) -> bool:
         """Whether some draft length beats plain steps at AUTO_ACCEPTANCE (``--speculate auto``)."""
@@ -92,7 +112,9 @@ def measure(runner, ids: list[int], repeats: int = 5, budget_s: float = 0.25) ->
     model's timings vary less), and each keeps its fastest time: on a shared machine a neighbour only ever
     adds time, and a slow moment falls on every size alike instead of on one. So does a first call's cold
     start (a CUDA graph's capture, say): the fastest of two needs no warm-up round of its own, and the runner
-    has had one before (``build.warm_up``). Every later start drafts by what was measured
+    has had one before (``build.warm_up``). Where the timings are not ``steady`` after those rounds (a neighbour
+    busy through all of them), more rounds follow until they are, or until UNSTEADY_BUDGET times the budget
+    or MAX_ROUNDS rounds have passed. Every later start drafts by what was measured steadily
     (``build.speculation`` remembers it), and a median of two timings per size, one size after another, put
     a 2-row verify at 1.12 to 1.36 steps on one machine. (A round of the 1B's four sizes takes about 0.19 s
     on two AMD Zen 3 cores; across first starts there, its costs varied as much with a warm-up round as
@@ -111,21 +133,31 @@ def measuring(runner, ids: list[int], repeats: int = 5, budget_s: float = 0.25) 
     cache = runner.new_cache()
     runner.forward(ids, cache)
     start = len(ids)  # what the cache now holds: a Runner's caches need not say (transformers' do not)
-    fastest = [float("inf")] * len(MEASURED_ROWS)
+    timings: list[list[float]] = [[] for _ in MEASURED_ROWS]
     spent = 0.0  # in the rounds themselves, not in what the caller did between them
-    for round_ in range(repeats):
+    for round_ in range(1, MAX_ROUNDS + 1):
         yield
         began = time.perf_counter()
         for i, rows in enumerate(MEASURED_ROWS):
             runner.truncate(cache, start)
             timed = time.perf_counter()
             float(runner.verify(ids[:rows], cache)[-1, 0])  # read back, as the loop does: CUDA runs asynchronously
-            fastest[i] = min(fastest[i], time.perf_counter() - timed)
+            timings[i].append(time.perf_counter() - timed)
         spent += time.perf_counter() - began
-        if round_ >= 1 and spent > budget_s:
+        enough = round_ >= repeats or (round_ >= 2 and spent > budget_s)
+        if enough and (steady(timings) or spent > UNSTEADY_BUDGET * budget_s):
             break
+    fastest = [min(t) for t in timings]
     relative = np.interp(np.arange(1, MAX_DRAFT + 2), MEASURED_ROWS, fastest) / fastest[0]
-    return Costs(tuple(round(float(r), 3) for r in relative))
+    return Costs(tuple(round(float(r), 3) for r in relative), steady(timings))
+
+
+def steady(timings: list[list[float]]) -> bool:
+    """Whether each size's two fastest timings agree within STEADY, and no larger verify's fastest is below a
+    smaller one's by more than that (``timings[i]``: those of MEASURED_ROWS[i] rows)."""
+    pairs = [sorted(t)[:2] for t in timings]
+    agree = all(len(p) == 2 and p[1] <= p[0] * (1 + STEADY) for p in pairs)
+    return agree and all(later[0] >= earlier[0] * (1 - STEADY) for earlier, later in zip(pairs, pairs[1:]))
 
 
 class Drafter:
