@@ -17,6 +17,16 @@ from tornchat.engine.worker import Engine
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory):
+    """What the tests' servers and loaders convert and measure (TORNCHAT_CACHE) is kept in a directory of the
+    session's own, not the user's: speculation's costs measured while the suite keeps the machine busy were
+    recalled by every later start of the user's (a verify of 8 rows at 1.0 step, 2026-12-08)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORNCHAT_CACHE", str(tmp_path_factory.mktemp("tornchat-cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def server():
     """The real server on the embedded model, one per test module; a module overrides it for flags of its own."""
@@ -32,7 +42,7 @@ def client(server):
 
 @pytest.fixture(scope="session")
 def smol_dir() -> str:
-    """The embedded default model as a HF directory (converted from its GGUF once per machine)."""
+    """The embedded default model as a HF directory (converted from its GGUF once per test session)."""
     return str(checkpoint.resolve(None))
 
 
