@@ -66,6 +66,9 @@ def make_runner(loaded: checkpoint.Loaded, config: Config) -> Runner:
     return llama.LlamaRunner(spec, weights)
 
 
+IDLE_MEASURES = 3  # measurements of a verify's costs while idle, until one is steady (speculate.steady)
+
+
 def speculation(runner: Runner, mode: str, ids: list[int], checkpoint_id: str) -> tuple[speculate.Costs | None, Generator | None]:
     """The verify costs drafts are sized by, or None for one token per forward: with --speculate none, or
     auto where no draft pays on this machine (a runner that verifies one row at a time, say). Measured at
@@ -99,7 +102,11 @@ def speculation(runner: Runner, mode: str, ids: list[int], checkpoint_id: str) -
         return remembered(speculate.measure(runner, ids), "measured now"), None
 
     def measured_while_idle() -> Generator[None, None, speculate.Costs | None]:
-        return remembered((yield from speculate.measuring(runner, ids)), "measured while idle")
+        for _ in range(IDLE_MEASURES):  # a busy moment's timings: measured again at the engine's next idle moment
+            costs = yield from speculate.measuring(runner, ids)
+            if costs.steady:
+                break
+        return remembered(costs, "measured while idle")
 
     log.info("speculation off until a verify's costs are measured, while the engine is idle")
     return None, measured_while_idle()
